@@ -1,0 +1,35 @@
+"""The `psrec` command line: `psrec train|data|bench ...`.
+
+This is the only place that parses arguments, sets up logging and prints for the user; each
+subcommand lives next to the code it drives and registers itself here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from psrec.data import commands as data_commands
+
+    parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    data_commands.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from psrec import SparseBatch
+
+
+def test_import_has_no_side_effects() -> None:
+    code = (
+        "import logging, sys, psrec; assert 'ray' not in sys.modules; assert not logging.getLogger().handlers"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sparse_batch_worked_example() -> None:
+    batch = SparseBatch.from_features(
+        {"user": (np.array([11, 12]), np.array([1, 1])), "tags": (np.array([7, 8]), np.array([2, 0]))}
+    )
+    assert batch.keys == ("user", "tags")
+    assert batch.ids.tolist() == [11, 12, 7, 8]
+    assert batch.lengths.tolist() == [1, 1, 2, 0]
+    assert batch.offsets.tolist() == [0, 1, 2, 4, 4]
+    ids, lengths = batch.feature("tags")
+    assert ids.tolist() == [7, 8] and lengths.tolist() == [2, 0]
+    assert batch.batch_size == 2
+
+
+def test_sparse_batch_rejects_inconsistent_lengths() -> None:
+    with pytest.raises(ValueError, match="lengths sum"):
+        SparseBatch(("a",), np.array([1, 2], dtype=np.int64), np.array([1], dtype=np.int32))
+    with pytest.raises(TypeError, match="int64"):
+        SparseBatch(("a",), np.array([1], dtype=np.int32), np.array([1], dtype=np.int32))
