@@ -16,6 +16,9 @@ import torch
 class ModelInput:
     dense: torch.Tensor  # (B, num_dense) float32; num_dense may be 0
     pooled: torch.Tensor  # (B, F, D) one pooled embedding per sparse feature, in schema order
+    # (B, F) first-order (wide/linear) weight per sparse feature, pooled from a dim-1 companion table;
+    # present only for models whose `uses_linear_terms` is True (LR, FM, Wide&Deep, DeepFM).
+    linear: torch.Tensor | None = None
     # name -> (B, L, D) embedded sequence (left-padded) and (B, L) bool mask (True = real item)
     sequences: dict[str, torch.Tensor] = field(default_factory=dict)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
