@@ -13,10 +13,12 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from psrec.data import commands as data_commands
+    from psrec.train import commands as train_commands
 
     parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    train_commands.register(subparsers)
     data_commands.register(subparsers)
     return parser
 

@@ -32,3 +32,17 @@ def test_sparse_batch_rejects_inconsistent_lengths() -> None:
         SparseBatch(("a",), np.array([1, 2], dtype=np.int64), np.array([1], dtype=np.int32))
     with pytest.raises(TypeError, match="int64"):
         SparseBatch(("a",), np.array([1], dtype=np.int32), np.array([1], dtype=np.int32))
+
+
+def test_concat_batches_keeps_sample_order() -> None:
+    from psrec.data.batch import Batch, concat_batches
+
+    def batch(a: list[int], lengths: list[int], labels: list[float]) -> Batch:
+        sparse = SparseBatch.from_features({"a": (np.array(a), np.array(lengths))})
+        n = len(labels)
+        return Batch(np.array(labels, np.float32), np.zeros((n, 1), np.float32), sparse, row_ids=np.arange(n))
+
+    merged = concat_batches([batch([1, 2, 3], [2, 1], [0, 1]), batch([4], [1], [1])])
+    assert merged.sparse.ids.tolist() == [1, 2, 3, 4]
+    assert merged.sparse.lengths.tolist() == [2, 1, 1]
+    assert merged.labels.tolist() == [0, 1, 1] and merged.row_ids.tolist() == [0, 1, 0]

@@ -109,3 +109,33 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
+
+
+def concat_batches(batches: list[Batch]) -> Batch:
+    """One batch holding the samples of `batches` in order (same keys and sequence names required)."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    keys = batches[0].sparse.keys
+    if any(b.sparse.keys != keys for b in batches):
+        raise ValueError("concat_batches: batches have different sparse keys")
+    features = {}
+    for key in keys:
+        parts = [b.sparse.feature(key) for b in batches]
+        features[key] = (np.concatenate([ids for ids, _ in parts]), np.concatenate([n for _, n in parts]))
+    sequences = {
+        name: PaddedSequence(
+            np.concatenate([b.sequences[name].ids for b in batches]),
+            np.concatenate([b.sequences[name].mask for b in batches]),
+        )
+        for name in batches[0].sequences
+    }
+    row_ids = None
+    if all(b.row_ids is not None for b in batches):
+        row_ids = np.concatenate([b.row_ids for b in batches])  # type: ignore[misc]
+    return Batch(
+        labels=np.concatenate([b.labels for b in batches]),
+        dense=np.concatenate([b.dense for b in batches]),
+        sparse=SparseBatch.from_features(features) if keys else batches[0].sparse,
+        sequences=sequences,
+        row_ids=row_ids,
+    )

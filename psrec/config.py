@@ -1,0 +1,275 @@
+"""The run configuration: one validated schema for `psrec train CONFIG`.
+
+Loaded once at the entry point (`load_config`), validated with pydantic so a mistake fails before
+any process starts, with the field path and the allowed values. Library classes never see this
+object: the builders in `psrec.train` map it to plain constructor arguments.
+
+A minimal config (see `examples/quickstart.yaml` for a full one)::
+
+    data:
+      schema: {label: label, sparse: [{name: C1, table: C1}]}
+      train: {format: parquet, paths: [train/*.parquet]}
+    model: {name: dlrm, bottom_mlp: [64, 16], top_mlp: [64, 1]}
+    embedding:
+      default: {dim: 16, optimizer: {name: rowwise_adagrad, lr: 0.05}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from psrec.data.schema import DataSource, Schema
+from psrec.models.config import ModelConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SparseOptimizerConfig(_Strict):
+    name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"] = "rowwise_adagrad"
+    lr: float = Field(0.01, gt=0)
+    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    initial_accumulator_value: float = Field(0.0, ge=0)
+    ftrl_beta: float = Field(1.0, ge=0)
+    ftrl_l1: float = Field(0.0, ge=0)
+    ftrl_l2: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class InitializerConfig(_Strict):
+    kind: Literal["normal", "uniform", "zeros"] = "normal"
+    std: float = Field(0.01, ge=0)
+    scale: float = Field(0.05, ge=0)
+
+
+class AdmissionConfig(_Strict):
+    kind: Literal["always", "min_count", "probability"] = "always"
+    min_count: int = Field(1, ge=1)
+    probability: float = Field(1.0, gt=0, le=1)
+    sketch_width: int = Field(1 << 20, ge=1)
+    sketch_depth: int = Field(4, ge=1, le=16)
+
+
+class EvictionConfig(_Strict):
+    ttl_steps: int | None = Field(None, ge=1)
+    max_rows: int | None = Field(None, ge=1)
+    every_steps: int = Field(1000, ge=1, description="how often the trainer asks shards to evict")
+
+
+class TableConfig(_Strict):
+    dim: int = Field(16, ge=1)
+    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
+    initializer: InitializerConfig = InitializerConfig()
+    precision: Literal["fp32", "fp16", "int8"] = "fp32"
+    stochastic_rounding: bool = False
+    admission: AdmissionConfig = AdmissionConfig()
+    eviction: EvictionConfig = EvictionConfig()
+
+
+class EmbeddingConfig(_Strict):
+    default: TableConfig | None = TableConfig()
+    tables: dict[str, TableConfig] = {}
+    # Optimizer of the dim-1 first-order tables of models with linear terms (LR, FM, DeepFM, ...).
+    linear_optimizer: SparseOptimizerConfig | None = None
+
+
+class DenseOptimizerConfig(_Strict):
+    name: Literal["adam", "adagrad", "sgd"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class EarlyStoppingConfig(_Strict):
+    metric: Literal["auc", "logloss"] = "auc"
+    patience: int = Field(2, ge=1)
+    lr_decay: float = Field(0.1, gt=0, le=1, description="multiply all learning rates on a plateau")
+
+
+class TrainingConfig(_Strict):
+    batch_size: int = Field(4096, ge=1)
+    eval_batch_size: int = Field(16384, ge=1)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    dense_optimizer: DenseOptimizerConfig = DenseOptimizerConfig()
+    log_every_steps: int = Field(20, ge=1)
+    eval_every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
+    early_stopping: EarlyStoppingConfig | None = None
+    embedding_l2: float = Field(0.0, ge=0)
+    grad_clip_norm: float | None = Field(None, gt=0)
+    shuffle_buffer: int = Field(0, ge=0)
+    seed: int = 0
+
+
+class ResourcesConfig(_Strict):
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    memory_gb: float | None = Field(None, gt=0)
+    threads: int = Field(1, ge=1, description="torch/numba threads in the process")
+
+
+class PSConfig(_Strict):
+    runtime: Literal["ray", "local"] = "ray"
+    address: str | None = Field(None, description="join this Ray cluster; None starts an embedded one")
+    num_trainers: int = Field(1, ge=1)
+    num_shards: int = Field(2, ge=1)
+    num_buckets: int = Field(1024, ge=1)
+    mode: Literal["sync", "async"] = "sync"
+    staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
+    trainer_resources: ResourcesConfig = ResourcesConfig()
+    shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)
+
+    @model_validator(mode="after")
+    def _check(self) -> PSConfig:
+        if self.num_shards > self.num_buckets:
+            raise ValueError(
+                f"num_shards={self.num_shards} is more than num_buckets={self.num_buckets}: "
+                "every shard needs at least one virtual bucket; raise ps.num_buckets or lower ps.num_shards"
+            )
+        if self.runtime == "local" and self.num_trainers != 1:
+            raise ValueError(
+                "runtime 'local' runs one trainer in-process; use runtime 'ray' for num_trainers > 1"
+            )
+        return self
+
+
+class SyntheticDataConfig(_Strict):
+    """Generate Criteo-shaped data into the run directory instead of reading `train`/`validation`."""
+
+    train_rows: int = Field(200_000, ge=1)
+    validation_rows: int = Field(50_000, ge=0)
+    cardinality_scale: float = Field(0.01, gt=0)
+    seed: int = 0
+
+
+class DataConfig(_Strict):
+    data_schema: Schema | None = Field(None, alias="schema")
+    train: DataSource | None = None
+    validation: DataSource | None = None
+    test: DataSource | None = None
+    synthetic: SyntheticDataConfig | None = None
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.synthetic is None and (self.train is None or self.data_schema is None):
+            raise ValueError(
+                "give data.train and data.schema, or data.synthetic for generated Criteo-shaped data"
+            )
+        return self
+
+
+class RunConfig(_Strict):
+    run_dir: str = "runs/default"
+    data: DataConfig
+    model: ModelConfig
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    training: TrainingConfig = TrainingConfig()
+    ps: PSConfig = PSConfig()
+
+    def schema(self) -> Schema:
+        if self.data.data_schema is not None:
+            return self.data.data_schema
+        from psrec.data.synth import criteo_schema
+
+        return criteo_schema()
+
+    def table_names(self) -> list[str]:
+        schema = self.schema()
+        names = [f.table for f in schema.sparse] + [f.table for f in schema.sequences]
+        return list(dict.fromkeys(names))
+
+    def table_config(self, table: str) -> TableConfig:
+        config = self.embedding.tables.get(table, self.embedding.default)
+        if config is None:
+            raise ConfigError(
+                f"embedding.tables: no config for table {table!r} and embedding.default is null"
+            )
+        return config
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        tables = self.table_names()
+        missing = [t for t in tables if t not in self.embedding.tables and self.embedding.default is None]
+        if missing:
+            raise ValueError(
+                f"features are mapped to tables {missing} that embedding.tables does not define "
+                "(and embedding.default is null): add them to embedding.tables or set embedding.default"
+            )
+        unused = sorted(set(self.embedding.tables) - set(tables))
+        if unused:
+            raise ValueError(f"embedding.tables defines {unused} but no feature of data.schema uses them")
+        dims = {t: (self.embedding.tables.get(t) or self.embedding.default).dim for t in tables}  # type: ignore[union-attr]
+        if len(set(dims.values())) > 1:
+            raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
+        return self
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """The parts of the config a checkpoint must agree with to be resumed (not steps or logging)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        data["training"] = {
+            k: v
+            for k, v in data["training"].items()
+            if k not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps")
+        }
+        data.pop("run_dir")
+        data["ps"] = {
+            k: v for k, v in data["ps"].items() if k in ("num_shards", "num_buckets", "num_trainers")
+        }
+        return data
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.fingerprint_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field and what to do."""
+
+
+def _format_validation_error(path: str, error: ValidationError) -> str:
+    lines = [f"{path}: invalid config"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        lines.append(f"  {location}: {item['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(
+    data: dict[str, Any], *, source: str = "<config>", overrides: dict[str, Any] | None = None
+) -> RunConfig:
+    """Validate a config dict; `overrides` maps dotted paths to values (e.g. {"ps.runtime": "local"})."""
+    data = json.loads(json.dumps(data))  # deep copy, plain types
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(source, error)) from None
+
+
+def load_config(path: str | Path, *, overrides: dict[str, Any] | None = None) -> RunConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read config {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config must be a mapping at the top level")
+    return parse_config(data, source=str(path), overrides=overrides)

@@ -1,0 +1,94 @@
+"""Ray actors for the parameter server, and the connection the trainer-side client uses.
+
+`ShardActor` builds its tables from the run config inside its own process and wraps a
+`ParameterShard`; `RayConnection` adapts an actor handle to the client's `ShardConnection`
+protocol. NumPy arrays travel zero-copy through Ray's object store (they arrive read-only).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from psrec.ps.client import Pending
+from psrec.ps.shard import ParameterShard, TableGradients
+
+
+def set_thread_counts(threads: int) -> None:
+    """Pin torch/numba/OpenMP threads: processes sharing cores must not spin-wait on each other."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except (ImportError, ValueError):  # pragma: no cover
+        pass
+
+
+class ShardActor:
+    """One PS shard process (created with `ray.remote(ShardActor).options(...).remote(...)`)."""
+
+    def __init__(self, shard_index: int, config: dict[str, Any], *, threads: int = 1) -> None:
+        set_thread_counts(threads)
+        from psrec.config import RunConfig
+        from psrec.embedding import warmup
+        from psrec.train.builders import build_tables
+
+        run_config = RunConfig.model_validate(config)
+        warmup()
+        self.shard = ParameterShard(
+            shard_index,
+            build_tables(run_config),
+            num_trainers=run_config.ps.num_trainers,
+            mode=run_config.ps.mode,
+        )
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def pull(self, requests: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
+        return self.shard.pull(requests, train=train)
+
+    def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
+        return self.shard.push(trainer, request_id, step, gradients)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run one of ParameterShard's maintenance methods (stats, evict, snapshots, learning rate)."""
+        if method not in {"stats", "evict", "save_snapshot", "restore_snapshot", "set_learning_rate"}:
+            raise ValueError(f"ShardActor.call: unknown method {method!r}")
+        return getattr(self.shard, method)(*args, **kwargs)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "applied_step": self.shard.applied_step,
+            "pushes_applied": self.shard.pushes_applied,
+            "pushes_dropped": self.shard.pushes_dropped,
+        }
+
+
+class _RayPending:
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def result(self) -> Any:
+        import ray
+
+        return ray.get(self.ref)
+
+
+class RayConnection:
+    """The client's view of a `ShardActor` handle."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending:
+        return _RayPending(self.actor.pull.remote(requests, train))
+
+    def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
+        return _RayPending(self.actor.push.remote(trainer, request_id, step, gradients))

@@ -1,0 +1,138 @@
+"""A parameter-server shard: its partition of every embedding table, and the push protocol.
+
+`ParameterShard` is a plain object (no Ray): the Ray actor in `psrec.ps.actors` wraps it, and the
+in-process runtime and the unit tests use it directly. It adds to the embedding engine's tables:
+
+- **sync mode**: gradients pushed for step s by each of the `num_trainers` trainers are buffered
+  and applied together, once, when the last trainer's push for s arrives — so N trainers with batch
+  b update the tables exactly like one trainer with batch N*b;
+- **async mode**: each push is applied on arrival;
+- **idempotence**: every push carries a request id that grows per trainer; a push whose id is not
+  newer than the last one applied (or buffered) for that trainer is a retry and is dropped, so a
+  push retried after a crash is applied at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from psrec.embedding import EmbeddingTable, TableState
+
+logger = logging.getLogger(__name__)
+
+# table name -> (unique ids, gradient rows)
+TableGradients = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class _PendingStep:
+    step: int
+    trainers: set[int] = field(default_factory=set)
+    gradients: dict[str, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+
+
+class ParameterShard:
+    """One shard's tables plus the sync/async push protocol (see the module docstring)."""
+
+    def __init__(
+        self,
+        shard_index: int,
+        tables: dict[str, EmbeddingTable],
+        *,
+        num_trainers: int = 1,
+        mode: str = "sync",
+    ) -> None:
+        if mode not in ("sync", "async"):
+            raise ValueError(f"shard mode must be 'sync' or 'async', got {mode!r}")
+        self.shard_index = shard_index
+        self.tables = tables
+        self.num_trainers = num_trainers
+        self.mode = mode
+        self.applied_step = -1  # last step whose updates are fully applied
+        self.last_request: dict[int, int] = {}  # trainer -> last request id applied or buffered
+        self.pushes_applied = 0
+        self.pushes_dropped = 0
+        self._pending: _PendingStep | None = None
+        self._snapshots: dict[str, dict[str, TableState]] = {}
+
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool = True) -> dict[str, np.ndarray]:
+        """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted."""
+        return {name: self._table(name).pull(ids, train=train) for name, ids in requests.items()}
+
+    def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
+        """Apply (async) or buffer-then-apply (sync) one trainer's gradients; False if it was a retry."""
+        if request_id <= self.last_request.get(trainer, -1):
+            self.pushes_dropped += 1
+            logger.info(
+                "shard %d: dropped retried push %d of trainer %d", self.shard_index, request_id, trainer
+            )
+            return False
+        for name, (ids, grads) in gradients.items():  # validate everything before changing anything
+            self._table(name)
+            if ids.shape[0] != grads.shape[0]:
+                raise ValueError(
+                    f"push to table {name!r}: {ids.shape[0]} ids but {grads.shape[0]} gradient rows"
+                )
+        if self.mode == "async" or self.num_trainers == 1:
+            self.last_request[trainer] = request_id
+            for name, (ids, grads) in gradients.items():
+                self.tables[name].push(ids, grads, step=step)
+            self.applied_step = max(self.applied_step, step)
+            self.pushes_applied += 1
+            return True
+        pending = self._pending
+        if pending is None:
+            pending = self._pending = _PendingStep(step)
+        elif pending.step != step:
+            raise RuntimeError(
+                f"shard {self.shard_index}: trainer {trainer} pushed step {step} while step {pending.step} "
+                f"still waits for trainers {sorted(set(range(self.num_trainers)) - pending.trainers)}"
+            )
+        if trainer in pending.trainers:
+            raise RuntimeError(f"shard {self.shard_index}: trainer {trainer} pushed step {step} twice")
+        self.last_request[trainer] = request_id
+        pending.trainers.add(trainer)
+        for name, pair in gradients.items():
+            pending.gradients.setdefault(name, []).append(pair)
+        if len(pending.trainers) == self.num_trainers:
+            self._apply(pending)
+        return True
+
+    def _apply(self, pending: _PendingStep) -> None:
+        # Trainers are concatenated in trainer order so the float summation order is deterministic.
+        for name, pairs in pending.gradients.items():
+            ids = np.concatenate([ids for ids, _ in pairs])
+            grads = np.concatenate([grads for _, grads in pairs])
+            self.tables[name].push(ids, grads, step=pending.step)
+        self.applied_step = pending.step
+        self.pushes_applied += len(pending.trainers)
+        self._pending = None
+
+    def set_learning_rate(self, lr: float, tables: list[str] | None = None) -> None:
+        for name in tables or list(self.tables):
+            self.tables[name].set_learning_rate(lr)
+
+    def evict(self, step: int) -> dict[str, int]:
+        return {name: table.evict(step=step) for name, table in self.tables.items()}
+
+    def save_snapshot(self, tag: str) -> None:
+        """Keep an in-memory copy of every table (e.g. the best model so far under early stopping)."""
+        self._snapshots[tag] = {name: table.export_state() for name, table in self.tables.items()}
+
+    def restore_snapshot(self, tag: str) -> None:
+        for name, state in self._snapshots[tag].items():
+            self.tables[name].import_state(state)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {name: {"rows": table.num_rows, **table.memory_bytes()} for name, table in self.tables.items()}
+
+    def _table(self, name: str) -> EmbeddingTable:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise KeyError(
+                f"shard {self.shard_index} has no table {name!r}; tables: {sorted(self.tables)}"
+            ) from None

@@ -1,0 +1,108 @@
+"""`psrec train CONFIG`: validate the config, train with a progress bar, print the summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("train", help="train a model as CONFIG says")
+    parser.add_argument("config", help="YAML run config (see examples/)")
+    parser.add_argument("--data-dir", default=".", help="base directory for relative data paths")
+    parser.add_argument("--run-dir", help="override run_dir")
+    parser.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
+    parser.add_argument(
+        "--local", action="store_true", help="run shards and trainer in this process (no Ray)"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config field (YAML value)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    parser.set_defaults(func=run)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    from psrec.config import ConfigError
+
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected PATH=VALUE, e.g. --set training.epochs=2")
+        path, value = item.split("=", 1)
+        overrides[path] = yaml.safe_load(value)
+    if args.run_dir:
+        overrides["run_dir"] = args.run_dir
+    if args.address:
+        overrides["ps.address"] = args.address
+    if args.local:
+        overrides["ps.runtime"] = "local"
+    return overrides
+
+
+def run(args: argparse.Namespace) -> int:
+    from psrec.config import ConfigError, load_config
+    from psrec.train.loop import train
+
+    try:
+        config = load_config(args.config, overrides=_overrides(args))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        if args.no_progress:
+            summary = train(config, base_dir=args.data_dir, progress=_log_progress)
+        else:
+            summary = _train_with_bar(config, args.data_dir)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: workers shut down", file=sys.stderr)
+        return 130
+    shown = {k: v for k, v in summary.items() if k not in ("history", "tables", "phase_seconds")}
+    print(json.dumps(shown, indent=2, default=float))
+    print(f"summary written to {config.run_dir}/summary.json")
+    return 0
+
+
+def _log_progress(report: dict[str, Any]) -> None:
+    print(
+        f"epoch {report['epoch']} step {report['step']} samples {report['samples']} loss {report['loss']:.4f} "
+        f"auc {report['running_auc']:.4f} {report['samples_per_second']:.0f} samples/s",
+        flush=True,
+    )
+
+
+def _train_with_bar(config: Any, data_dir: str) -> dict[str, Any]:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from psrec.train.loop import train
+
+    total = config.training.max_steps
+    with Progress(
+        TextColumn("[bold]train[/]"),
+        BarColumn(),
+        TextColumn("step {task.completed}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ) as bar:
+        task = bar.add_task("train", total=total, status="starting")
+
+        def update(report: dict[str, Any]) -> None:
+            status = (
+                f"loss {report['loss']:.4f} auc {report['running_auc']:.4f} "
+                f"{report['samples_per_second']:.0f} samples/s"
+            )
+            bar.update(task, completed=report["step"], status=status)
+
+        return train(config, base_dir=data_dir, progress=update)

@@ -1,0 +1,227 @@
+"""A trainer: its share of the data, its replica of the dense model, and a client to the shards.
+
+`TrainerWorker` is a plain class: the in-process runtime calls it directly with in-process shards,
+and the Ray runtime runs it as an actor (`ray.remote(TrainerWorker)`) with shard actor handles. The
+driver calls `train_steps(n)` on every trainer together; in between it evaluates, checkpoints and
+reports progress, so those happen at step boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from psrec.config import RunConfig
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
+from psrec.ps.actors import RayConnection, set_thread_counts
+from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
+from psrec.ps.shard import ParameterShard
+from psrec.train import builders
+from psrec.train.step import StepRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChunkResult:
+    """What a trainer did in one `train_steps` call."""
+
+    steps: int
+    samples: int
+    loss_sum: float  # sum over samples of the loss
+    scores: np.ndarray
+    labels: np.ndarray
+    row_ids: np.ndarray  # global row indices consumed (exact-once accounting)
+    exhausted: bool  # the epoch's data of this trainer is used up
+    phase_seconds: dict[str, float]
+    bytes_pulled: int
+    bytes_pushed: int
+
+
+class TrainerWorker:
+    """One trainer (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        trainer_index: int,
+        shards: list[Any],
+        *,
+        base_dir: str = ".",
+        data_sources: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.config = RunConfig.model_validate(config)
+        set_thread_counts(self.config.ps.trainer_resources.threads)
+        torch.manual_seed(self.config.training.seed)  # identical dense init on every trainer
+        self.trainer_index = trainer_index
+        self.world_size = self.config.ps.num_trainers
+        self.base_dir = Path(base_dir)
+        self.sources = {
+            split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
+        }
+        connections: list[ShardConnection] = [
+            LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
+        ]
+        self.model = builders.build_model_for(self.config)
+        self.optimizer = builders.build_dense_optimizer(self.config, self.model)
+        self.client = EmbeddingClient(
+            connections,
+            builders.bucket_map(self.config),
+            table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
+            feature_tables=builders.feature_tables(self.config),
+            sequence_tables=builders.sequence_tables(self.config),
+            linear_terms=bool(getattr(self.model, "uses_linear_terms", False)),
+            trainer_index=trainer_index,
+        )
+        training = self.config.training
+        self.runner = StepRunner(
+            self.model,
+            self.optimizer,
+            self.client,
+            world_size=self.world_size,
+            mode=self.config.ps.mode,
+            staleness=self.config.ps.staleness,
+            embedding_l2=training.embedding_l2,
+            grad_clip_norm=training.grad_clip_norm,
+        )
+        self.step = 0
+        self.epoch = -1
+        self._reader: Any = None
+        self._batches: Any = None
+        self._snapshots: dict[str, dict[str, Any]] = {}
+
+    # -- process group -----------------------------------------------------------------------
+    def node_address(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
+    def free_port(self) -> int:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return int(sock.getsockname()[1])
+
+    def init_process_group(self, master_address: str, master_port: int) -> None:
+        """Join the trainers' gloo group (dense allreduce); NCCL when the trainers have GPUs."""
+        os.environ["MASTER_ADDR"] = master_address
+        os.environ["MASTER_PORT"] = str(master_port)
+        backend = (
+            "nccl" if torch.cuda.is_available() and self.config.ps.trainer_resources.num_gpus > 0 else "gloo"
+        )
+        dist.init_process_group(backend, rank=self.trainer_index, world_size=self.world_size)
+
+    def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- training ------------------------------------------------------------------------------
+    def start_epoch(self, epoch: int, position: dict[str, Any] | None = None) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        training = self.config.training
+        self.epoch = epoch
+        self._reader = open_reader(
+            self.sources["train"],
+            self.config.schema(),
+            batch_size=training.batch_size,
+            base_dir=self.base_dir,
+            shard=self.trainer_index,
+            num_shards=self.world_size,
+            shuffle_buffer=training.shuffle_buffer,
+            seed=training.seed * 1000 + epoch,
+            position=position,
+        )
+        self._batches = iter(self._reader)
+
+    def train_steps(self, max_steps: int) -> ChunkResult:
+        if self._batches is None:
+            raise RuntimeError("train_steps before start_epoch")
+        before = dict(self.runner.timer.seconds)
+        pulled, pushed = self.client.bytes_pulled, self.client.bytes_pushed
+        steps, samples, loss_sum = 0, 0, 0.0
+        scores, labels, row_ids = [], [], []
+        for result in self.runner.run(self._batches, first_step=self.step, max_steps=max_steps):
+            steps += 1
+            n = result.labels.shape[0]
+            if n:
+                samples += n
+                loss_sum += result.loss * n
+                scores.append(result.scores)
+                labels.append(result.labels)
+                if result.row_ids is not None:
+                    row_ids.append(result.row_ids)
+        self.step += steps
+        return ChunkResult(
+            steps=steps,
+            samples=samples,
+            loss_sum=loss_sum,
+            scores=np.concatenate(scores) if scores else np.zeros(0, np.float32),
+            labels=np.concatenate(labels) if labels else np.zeros(0, np.float32),
+            row_ids=np.concatenate(row_ids) if row_ids else np.zeros(0, np.int64),
+            exhausted=steps < max_steps,
+            phase_seconds={k: v - before.get(k, 0.0) for k, v in self.runner.timer.seconds.items()},
+            bytes_pulled=self.client.bytes_pulled - pulled,
+            bytes_pushed=self.client.bytes_pushed - pushed,
+        )
+
+    def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Scores and labels of this trainer's share of `split` (no table changes, no inserts)."""
+        self.runner.flush()
+        reader = open_reader(
+            self.sources[split],
+            self.config.schema(),
+            batch_size=self.config.training.eval_batch_size,
+            base_dir=self.base_dir,
+            shard=self.trainer_index,
+            num_shards=self.world_size,
+        )
+        scores, labels = [], []
+        try:
+            for batch in reader:
+                scores.append(self.runner.predict(batch))
+                labels.append(batch.labels)
+        finally:
+            reader.close()
+        return np.concatenate(scores), np.concatenate(labels)
+
+    def set_dense_learning_rate(self, factor: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+
+    def save_snapshot(self, tag: str) -> None:
+        self._snapshots[tag] = {
+            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
+            "optimizer": _clone(self.optimizer.state_dict()),
+        }
+
+    def restore_snapshot(self, tag: str) -> None:
+        self.model.load_state_dict(self._snapshots[tag]["model"])
+        self.optimizer.load_state_dict(self._snapshots[tag]["optimizer"])
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    return value

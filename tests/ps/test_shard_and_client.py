@@ -1,0 +1,141 @@
+"""The PS protocol without Ray: shard sync/async/idempotence and the client against plain PyTorch."""
+
+import numpy as np
+import pytest
+import torch
+
+from psrec.data.batch import Batch, PaddedSequence, SparseBatch
+from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec
+from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.routing import default_bucket_map
+from psrec.ps.shard import ParameterShard
+
+DIM = 4
+
+
+def make_table(name: str = "t", lr: float = 0.5) -> EmbeddingTable:
+    return EmbeddingTable(
+        name,
+        DIM,
+        optimizer=SparseOptimizerSpec("sgd", lr=lr),
+        initializer=InitializerSpec("uniform", scale=0.1),
+    )
+
+
+def make_shards(num_shards: int, *, num_trainers: int = 1, mode: str = "sync") -> list[ParameterShard]:
+    return [
+        ParameterShard(i, {"t": make_table()}, num_trainers=num_trainers, mode=mode)
+        for i in range(num_shards)
+    ]
+
+
+def test_sync_shard_applies_a_step_once_all_trainers_pushed() -> None:
+    (shard,) = make_shards(1, num_trainers=2)
+    ids = np.array([1, 2], dtype=np.int64)
+    before = shard.pull({"t": ids})["t"].copy()
+    grads = np.ones((2, DIM), dtype=np.float32)
+    assert shard.push(0, 0, 0, {"t": (ids, grads)})
+    np.testing.assert_array_equal(shard.pull({"t": ids})["t"], before)  # buffered, not applied
+    assert shard.push(1, 0, 0, {"t": (ids[:1], grads[:1])})
+    after = shard.pull({"t": ids})["t"]
+    np.testing.assert_allclose(after, before - 0.5 * np.array([[2.0] * DIM, [1.0] * DIM]), rtol=1e-6)
+    assert shard.applied_step == 0
+
+
+def test_push_retry_is_applied_once() -> None:
+    (shard,) = make_shards(1, mode="async")
+    ids = np.array([5], dtype=np.int64)
+    before = shard.pull({"t": ids})["t"].copy()
+    grads = np.ones((1, DIM), dtype=np.float32)
+    assert shard.push(0, 7, 7, {"t": (ids, grads)})
+    assert not shard.push(0, 7, 7, {"t": (ids, grads)})  # retried after a "crash"
+    np.testing.assert_allclose(shard.pull({"t": ids})["t"], before - 0.5, rtol=1e-6)
+    assert shard.pushes_dropped == 1
+
+
+def test_unknown_table_is_a_clear_error_and_changes_nothing() -> None:
+    (shard,) = make_shards(1)
+    with pytest.raises(KeyError, match="no table 'nope'"):
+        shard.push(0, 0, 0, {"nope": (np.array([1]), np.ones((1, DIM), np.float32))})
+    assert shard.last_request == {}
+
+
+def _batch() -> Batch:
+    sparse = SparseBatch.from_features(
+        {
+            "a": (np.array([10, 11, 10]), np.array([1, 1, 1])),
+            "b": (np.array([11, 12, 13, 2**62, -5]), np.array([2, 0, 3])),
+        }
+    )
+    history = PaddedSequence(
+        ids=np.array([[0, 10, 12], [0, 0, 11], [13, 12, 11]]),
+        mask=np.array([[False, True, True], [False, False, True], [True, True, True]]),
+    )
+    return Batch(
+        labels=np.array([1.0, 0.0, 1.0], dtype=np.float32),
+        dense=np.zeros((3, 0), dtype=np.float32),
+        sparse=sparse,
+        sequences={"history": history},
+    )
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_client_matches_plain_pytorch_embedding(num_shards: int) -> None:
+    """Pooling, sequences and the SGD update through shards equal a dense nn.Embedding reference."""
+    shards = make_shards(num_shards)
+    client = EmbeddingClient(
+        [LocalConnection(s) for s in shards],
+        default_bucket_map(16, num_shards),
+        table_dims={"t": DIM},
+        feature_tables={"a": "t", "b": "t"},
+        sequence_tables={"history": "t"},
+    )
+    batch = _batch()
+    plan = client.plan(batch)
+    pulled = client.pull(plan)
+    inp, weights = client.embed(pulled, batch.dense)
+
+    # Reference: a dense table of the same rows (deterministic init: any table gives the same rows).
+    all_ids = np.unique(np.concatenate([batch.sparse.ids, batch.sequences["history"].ids.reshape(-1)]))
+    reference_rows = make_table().pull(all_ids)
+    weight = torch.nn.Parameter(torch.from_numpy(reference_rows.copy()))
+    position = {int(i): k for k, i in enumerate(all_ids)}
+
+    def rows(ids: np.ndarray) -> torch.Tensor:
+        return weight[torch.tensor([position[int(i)] for i in ids], dtype=torch.long)]
+
+    pooled_a = torch.stack([rows(np.array([i])).sum(0) for i in [10, 11, 10]])
+    b_ids, b_lengths = batch.sparse.feature("b")
+    starts = np.concatenate([[0], np.cumsum(b_lengths)[:-1]])
+    pooled_b = torch.stack(
+        [
+            rows(b_ids[s : s + n]).sum(0) if n else torch.zeros(DIM)
+            for s, n in zip(starts, b_lengths, strict=True)
+        ]
+    )
+    history = batch.sequences["history"]
+    seq = torch.stack(
+        [
+            torch.stack(
+                [rows(np.array([i]))[0] if m else torch.zeros(DIM) for i, m in zip(r, mr, strict=True)]
+            )
+            for r, mr in zip(history.ids, history.mask, strict=True)
+        ]
+    )
+    torch.testing.assert_close(inp.pooled, torch.stack([pooled_a, pooled_b], dim=1))
+    torch.testing.assert_close(inp.sequences["history"], seq)
+
+    target = torch.arange(inp.pooled.numel(), dtype=torch.float32).view_as(inp.pooled) / 10
+    loss = (inp.pooled * target).sum() + (inp.sequences["history"] ** 2).sum()
+    loss.backward()
+    client.push(plan, weights, step=0)
+    reference_loss = (torch.stack([pooled_a, pooled_b], dim=1) * target).sum() + (seq**2).sum()
+    reference_loss.backward()
+    with torch.no_grad():
+        expected = weight - 0.5 * weight.grad
+    after = client.pull(client.plan(batch), train=False).rows["t"]
+    pulled_ids = plan.unique_ids["t"]
+    np.testing.assert_allclose(
+        after, expected.numpy()[[position[int(i)] for i in pulled_ids]], rtol=1e-5, atol=1e-6
+    )
+    assert sum(s.tables["t"].num_rows for s in shards) == all_ids.size - 1  # the padding id 0 is never pulled
