@@ -59,7 +59,14 @@ class ShardActor:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one of ParameterShard's maintenance methods (stats, evict, snapshots, learning rate)."""
-        if method not in {"stats", "evict", "save_snapshot", "restore_snapshot", "set_learning_rate"}:
+        if method not in {
+            "stats",
+            "evict",
+            "save_snapshot",
+            "restore_snapshot",
+            "set_learning_rate",
+            "table_rows",
+        }:
             raise ValueError(f"ShardActor.call: unknown method {method!r}")
         return getattr(self.shard, method)(*args, **kwargs)
 

@@ -126,6 +126,14 @@ class ParameterShard:
         for name, state in self._snapshots[tag].items():
             self.tables[name].import_state(state)
 
+    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every table's (ids, float32 rows), for inspection and tests (checkpoints use export_state)."""
+        out = {}
+        for name, table in self.tables.items():
+            ids = table.export_state().ids
+            out[name] = (ids, table.pull(ids, train=False))
+        return out
+
     def stats(self) -> dict[str, dict[str, int]]:
         return {name: {"rows": table.num_rows, **table.memory_bytes()} for name, table in self.tables.items()}
 

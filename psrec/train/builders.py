@@ -35,8 +35,9 @@ def build_table(name: str, config: TableConfig, *, seed: int) -> EmbeddingTable:
 
 
 def uses_linear_terms(config: RunConfig) -> bool:
-    model_class = type(build_model_for(config))
-    return bool(getattr(model_class, "uses_linear_terms", False))
+    with torch.random.fork_rng():  # building a throwaway model must not shift the dense init
+        model = build_model_for(config)
+    return bool(getattr(model, "uses_linear_terms", False))
 
 
 def table_specs(config: RunConfig) -> dict[str, TableConfig]:

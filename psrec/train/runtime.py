@@ -37,6 +37,10 @@ class Runtime(Protocol):
 
     def table_stats(self) -> dict[str, dict[str, int]]: ...
 
+    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
+
+    def dense_states(self) -> list[dict[str, Any]]: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -48,6 +52,19 @@ def _sum_stats(per_shard: list[dict[str, dict[str, int]]]) -> dict[str, dict[str
             for key, value in values.items():
                 into[key] = into.get(key, 0) + int(value)
     return total
+
+
+def _merge_rows(
+    per_shard: list[dict[str, tuple[np.ndarray, np.ndarray]]],
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-shard (ids, rows) -> one (ids, rows) per table, sorted by id."""
+    merged = {}
+    for table in per_shard[0]:
+        ids = np.concatenate([rows[table][0] for rows in per_shard])
+        values = np.concatenate([rows[table][1] for rows in per_shard])
+        order = np.argsort(ids)
+        merged[table] = (ids[order], values[order])
+    return merged
 
 
 class LocalRuntime:
@@ -99,6 +116,12 @@ class LocalRuntime:
 
     def table_stats(self) -> dict[str, dict[str, int]]:
         return _sum_stats([shard.stats() for shard in self.shards])
+
+    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return _merge_rows([shard.table_rows() for shard in self.shards])
+
+    def dense_states(self) -> list[dict[str, Any]]:
+        return [self.trainer.dense_state()]
 
     def shutdown(self) -> None:
         self.trainer.shutdown()
@@ -214,6 +237,14 @@ class RayRuntime:
         import ray
 
         return _sum_stats(ray.get([s.call.remote("stats") for s in self.shards]))
+
+    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        import ray
+
+        return _merge_rows(ray.get([s.call.remote("table_rows") for s in self.shards]))
+
+    def dense_states(self) -> list[dict[str, Any]]:
+        return self._all("dense_state")
 
     def shutdown(self) -> None:
         import ray

@@ -1,0 +1,167 @@
+"""End-to-end PS training: in-process learns; Ray sync with 2 trainers equals the single-process oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from psrec.config import ConfigError, RunConfig, parse_config
+from psrec.data.batch import concat_batches
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
+from psrec.data.synth import criteo_schema, write_synthetic_criteo
+from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.shard import ParameterShard
+from psrec.train import builders
+from psrec.train.loop import train
+from psrec.train.step import StepRunner
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("synthetic")
+    sources = {}
+    for split, rows, seed in (("train", 24_000, 0), ("validation", 6_000, 1)):
+        write_synthetic_criteo(
+            root / split, rows=rows, seed=seed, cardinality_scale=0.002, row_group_rows=2048
+        )
+        sources[split] = {"format": "parquet", "paths": [str(root / split / "*.parquet")]}
+    return sources
+
+
+def make_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> RunConfig:
+    data = {
+        "run_dir": str(run_dir),
+        "data": {"schema": criteo_schema().model_dump(), **sources},
+        "model": {"name": "dlrm", "bottom_hidden_sizes": [16], "top_hidden_sizes": [16, 8]},
+        "embedding": {"default": {"dim": 4, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}},
+        "training": {
+            "batch_size": 256,
+            "dense_optimizer": {"name": "adam", "lr": 0.003},
+            "log_every_steps": 10,
+        },
+        "ps": {"runtime": "local", "num_shards": 2, "num_buckets": 64},
+    }
+    return parse_config(data, overrides=overrides)
+
+
+def test_in_process_training_learns(dataset: dict[str, Any], tmp_path: Path) -> None:
+    config = make_config(dataset, tmp_path)
+    summary = train(config)
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 24_000
+    assert summary["validation"]["auc"] > 0.65, summary["validation"]
+    assert (tmp_path / "summary.json").exists()
+    assert summary["tables"]["C1"]["rows"] > 0
+
+
+def _oracle(config: RunConfig, sources: dict[str, Any], steps: int) -> tuple[dict[str, Any], Any]:
+    """One in-process trainer fed, at step k, the union of both trainers' k-th batches (batch 2b)."""
+    torch.manual_seed(config.training.seed)
+    shards = [ParameterShard(0, builders.build_tables(config))]
+    model = builders.build_model_for(config)
+    client = EmbeddingClient(
+        [LocalConnection(shards[0])],
+        np.zeros(config.ps.num_buckets, dtype=np.int64),
+        table_dims={n: s.dim for n, s in builders.table_specs(config).items()},
+        feature_tables=builders.feature_tables(config),
+    )
+    runner = StepRunner(model, builders.build_dense_optimizer(config, model), client)
+    readers = [
+        open_reader(
+            DataSource.model_validate(sources["train"]),
+            config.schema(),
+            batch_size=config.training.batch_size,
+            shard=i,
+            num_shards=2,
+            seed=config.training.seed * 1000,
+        )
+        for i in range(2)
+    ]
+    batches = (concat_batches(list(pair)) for pair in zip(*readers, strict=False))
+    list(runner.run(batches, first_step=0, max_steps=steps))
+    for reader in readers:
+        reader.close()
+    return model.state_dict(), shards[0].table_rows()
+
+
+@pytest.mark.ray
+def test_ray_sync_two_trainers_equal_single_trainer_oracle(
+    ray_cluster: None, dataset: dict[str, Any], tmp_path: Path
+) -> None:
+    from psrec.train.runtime import RayRuntime
+
+    config = make_config(
+        dataset,
+        tmp_path,
+        **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.shard_resources": {"num_cpus": 0.5}},
+    )
+    steps = 6
+    runtime = RayRuntime(config, base_dir=".", data_sources=dataset)
+    try:
+        runtime.start_epoch(0)
+        results = runtime.train_steps(steps)
+        dense = runtime.dense_states()
+        rows = runtime.table_rows()
+    finally:
+        runtime.shutdown()
+    assert [r.steps for r in results] == [steps, steps]
+    oracle_dense, oracle_rows = _oracle(config, dataset, steps)
+    for name, value in oracle_dense.items():
+        torch.testing.assert_close(dense[0][name], value, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dense[1][name], value, rtol=1e-4, atol=1e-5)
+    assert set(rows) == set(oracle_rows)
+    for table, (ids, values) in oracle_rows.items():
+        np.testing.assert_array_equal(rows[table][0], ids)
+        np.testing.assert_allclose(rows[table][1], values, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.ray
+def test_ray_async_trains_and_leaves_no_processes(
+    ray_cluster: None, dataset: dict[str, Any], tmp_path: Path
+) -> None:
+    import os
+
+    import ray
+
+    from psrec.train.runtime import RayRuntime
+
+    config = make_config(dataset, tmp_path, **{"ps.runtime": "ray", "ps.mode": "async", "ps.staleness": 2})
+    runtime = RayRuntime(config, base_dir=".", data_sources=dataset)
+    pids = ray.get([a.pid.remote() for a in [*runtime.shards, *runtime.trainers]])
+    summary = train(config, runtime=runtime)
+    runtime.shutdown()
+    assert summary["rows_consumed_unique"] == 24_000
+    assert summary["validation"]["auc"] > 0.65
+    for _ in range(50):
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive:
+            break
+        import time
+
+        time.sleep(0.1)
+    assert not alive, f"actor processes still alive: {alive}"
+    del os
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_config_errors_fail_before_training(tmp_path: Path) -> None:
+    base = {"data": {"synthetic": {}}, "model": {"name": "dlrm"}}
+    with pytest.raises(ConfigError, match="model"):
+        parse_config({**base, "model": {"name": "transformer9000"}})
+    with pytest.raises(ConfigError, match="num_buckets"):
+        parse_config({**base, "ps": {"num_shards": 8, "num_buckets": 4}})
+    with pytest.raises(ConfigError, match="tables"):
+        parse_config({**base, "embedding": {"default": None, "tables": {"C1": {"dim": 4}}}})
