@@ -1,0 +1,57 @@
+"""DLRM (Naumov et al. 2019): bottom MLP on dense features, dot interaction, top MLP.
+
+Math (B = batch, F = sparse features, D = embedding dim):
+
+    b = BottomMLP(dense)                      # (B, D), last bottom size == D, activation on every layer
+    z = [b, upper_triangle([b, e_1..e_F] [b, e_1..e_F]^T)]   # (B, D + (F + 1) F / 2)
+    logit = TopMLP(z)                         # (B,)
+
+Without dense features (Frappe) there is no bottom MLP and ``z`` is the upper triangle of the F
+pooled embeddings' dot products alone, as FuxiCTR's DLRM does, so BARS hyper-parameters carry over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from psrec.models.base import ClickThroughRateModel, ModelInput
+from psrec.models.layers import MLP, DotInteraction
+
+
+class DLRM(ClickThroughRateModel):
+    uses_linear_terms = False
+
+    def __init__(
+        self,
+        num_dense: int,
+        num_sparse: int,
+        embedding_dim: int,
+        *,
+        bottom_hidden_sizes: Sequence[int] = (64,),
+        top_hidden_sizes: Sequence[int] = (400, 400, 400),
+        activation: str = "relu",
+        batch_norm: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.bottom = (
+            MLP(num_dense, [*bottom_hidden_sizes, embedding_dim], activation=activation)
+            if num_dense
+            else None
+        )
+        self.interaction = DotInteraction(num_sparse, embedding_dim, has_bottom=self.bottom is not None)
+        self.top = MLP(
+            self.interaction.output_dim,
+            top_hidden_sizes,
+            output_dim=1,
+            activation=activation,
+            batch_norm=batch_norm,
+            dropout=dropout,
+        )
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        bottom = self.bottom(inp.dense) if self.bottom is not None else None  # (B, D) | None
+        interaction = self.interaction(bottom, inp.pooled)  # (B, [D +] N (N - 1) / 2)
+        return self.top(interaction).squeeze(-1)  # (B,)

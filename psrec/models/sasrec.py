@@ -1,0 +1,145 @@
+"""SASRec (Kang & McAuley 2018): next-item prediction with causal self-attention.
+
+Math (B = batch, L = sequence length <= ``max_length``, D = embedding dim):
+
+    x = Dropout(E[seq] * sqrt(D) + P[-L:]) * mask               # (B, L, D), learned positions
+    h = LN(TransformerStack_causal(x))                          # "pre" blocks, zeroed at padding
+    r_t = <h_t, E[i]>                                           # relevance of item i after step t
+
+Item embeddings are tied between input and output: the trainer pulls E[seq], E[pos], E[neg] and the
+candidates from the same table, and the model scores with plain dot products (no output projection).
+
+Inputs (``ModelInput.sequences``, all pulled from the same item table):
+
+- ``"seq"`` (B, L, D) with ``masks["seq"]`` (B, L) bool: the left-padded history, most recent last.
+- training: ``"pos"`` (B, L, D), the next item at each position, and ``"neg"`` (B, L, D), one sampled
+  negative per position. Loss (the reference code's): ``mean BCE(r_pos, 1) + mean BCE(r_neg, 0)``, both
+  means over real positions, ``masks["pos"]`` when given, else ``masks["seq"]``.
+- evaluation: ``"candidates"``, (B, C, D) per user (sampled protocol: target first) or (N, D) shared
+  by the batch (full ranking), scored against the last position: ``forward -> (B, C)`` or ``(B, N)``.
+
+Stages (``stages()``): `SASRecEmbedding` (ModelInput -> {"hidden", "mask", and pass-through "pos",
+"neg", "candidates"}), the `TransformerStack`, `SASRecHead` (final layer norm and the dot products ->
+{"hidden", "pos_logits", "neg_logits", "candidate_logits"} for whatever inputs were given).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from psrec.models.base import ModelInput, ModelStages
+from psrec.models.transformer import TransformerStack
+
+TARGET_SEQUENCES = ("pos", "neg", "candidates")
+
+
+class SASRecEmbedding(nn.Module):
+    """ModelInput -> {"hidden": (B, L, D), "mask": (B, L), pass-through pos/neg/candidates}."""
+
+    def __init__(self, embedding_dim: int, *, max_length: int, dropout: float) -> None:
+        super().__init__()
+        self.max_length = max_length
+        self.scale = math.sqrt(embedding_dim)
+        self.positions = nn.Parameter(torch.randn(max_length, embedding_dim) * 0.02)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, inp: ModelInput) -> dict[str, torch.Tensor]:
+        if "seq" not in inp.sequences or "seq" not in inp.masks:
+            raise ValueError('SASRec needs ModelInput.sequences["seq"] and masks["seq"]')
+        sequence = inp.sequences["seq"]  # (B, L, D)
+        length = sequence.shape[1]
+        if length > self.max_length:
+            raise ValueError(f"SASRec was built for sequences up to {self.max_length} long, got {length}")
+        mask = inp.masks["seq"].bool()  # (B, L)
+        hidden = self.dropout(sequence * self.scale + self.positions[self.max_length - length :])
+        hidden = hidden * mask.unsqueeze(-1).to(hidden.dtype)
+        state = {"hidden": hidden, "mask": mask}
+        state.update({name: inp.sequences[name] for name in TARGET_SEQUENCES if name in inp.sequences})
+        return state
+
+
+class SASRecHead(nn.Module):
+    """Final layer norm, then dot products with whichever of pos/neg/candidates the state carries."""
+
+    def __init__(self, embedding_dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(embedding_dim)
+
+    def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hidden = self.norm(state["hidden"])  # (B, L, D)
+        out = {"hidden": hidden}
+        if "pos" in state:
+            out["pos_logits"] = (hidden * state["pos"]).sum(-1)  # (B, L)
+        if "neg" in state:
+            out["neg_logits"] = (hidden * state["neg"]).sum(-1)  # (B, L)
+        if "candidates" in state:
+            last = hidden[:, -1]  # (B, D): the most recent position (sequences are left-padded)
+            candidates = state["candidates"]
+            if candidates.ndim == 2:
+                out["candidate_logits"] = last @ candidates.T  # (B, N)
+            else:
+                out["candidate_logits"] = torch.einsum("bd,bcd->bc", last, candidates)  # (B, C)
+        return out
+
+
+class SASRec(nn.Module):
+    uses_linear_terms = False
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        *,
+        max_length: int = 200,
+        num_blocks: int = 2,
+        num_heads: int = 1,
+        dropout: float = 0.2,
+    ) -> None:
+        super().__init__()
+        self.embedding = SASRecEmbedding(embedding_dim, max_length=max_length, dropout=dropout)
+        self.blocks = TransformerStack(
+            embedding_dim,
+            num_blocks=num_blocks,
+            num_heads=num_heads,
+            ffn_dim=embedding_dim,
+            dropout=dropout,
+            activation="relu",
+            norm_position="pre",
+            causal=True,
+        )
+        self.head = SASRecHead(embedding_dim)
+
+    def stages(self) -> ModelStages:
+        return ModelStages(self.embedding, self.blocks, self.head)
+
+    def run(self, inp: ModelInput) -> dict[str, torch.Tensor]:
+        """All head outputs for the given inputs: the composition of the three stages."""
+        return self.head(self.blocks(self.embedding(inp)))
+
+    def forward(self, inp: ModelInput) -> torch.Tensor:
+        """Candidate logits (B, C) (or (B, N) for shared candidates) from the last position."""
+        if "candidates" not in inp.sequences:
+            raise ValueError('SASRec.forward scores ModelInput.sequences["candidates"]; none given')
+        return self.run(inp)["candidate_logits"]
+
+    def loss(self, inp: ModelInput, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean positive/negative BCE at real positions, (B, 2) [pos, neg] logits at the last position).
+
+        `labels` is ignored: the targets are the next items ("pos") and sampled negatives ("neg").
+        """
+        if "pos" not in inp.sequences or "neg" not in inp.sequences:
+            raise ValueError('SASRec.loss needs ModelInput.sequences["pos"] and ["neg"]')
+        out = self.run(inp)
+        real = inp.masks.get("pos", inp.masks["seq"]).bool()  # (B, L)
+        positive, negative = out["pos_logits"][real], out["neg_logits"][real]
+        loss = functional.binary_cross_entropy_with_logits(
+            positive, torch.ones_like(positive)
+        ) + functional.binary_cross_entropy_with_logits(negative, torch.zeros_like(negative))
+        scores = torch.stack([out["pos_logits"][:, -1], out["neg_logits"][:, -1]], dim=1).detach()
+        return loss, scores
+
+    def predict(self, inp: ModelInput) -> torch.Tensor:
+        return self(inp)

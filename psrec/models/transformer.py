@@ -1,0 +1,151 @@
+"""Self-attention blocks shared by BST and SASRec.
+
+Math (B = batch, L = sequence length, D = model dim, H = heads):
+
+- `MultiHeadAttention`: ``softmax(Q K^T / sqrt(D / H) + mask) V`` per head with learned Q/K/V/output
+  projections; dropout on the attention weights. Queries and keys/values may differ (SASRec normalises
+  only the queries).
+- `TransformerBlock`, two published layouts:
+    ``"post"`` (Vaswani et al.; BST):  x = LN(x + Dropout(Attn(x, x)));  x = LN(x + FFN(x))
+    ``"pre"``  (SASRec, Kang & McAuley 2018, as its reference code):
+               q = LN(x);  x = q + Attn(q, x);  x = LN(x);  x = x + FFN(x)
+  with ``FFN(x) = Dropout(W2 act(Dropout(W1 x)))``.
+- `TransformerStack`: a stack of blocks over ``state = {"hidden": (B, L, D), "mask": (B, L) bool}``
+  (True = real item). Position q may attend key k when k is a real item (and k <= q when causal);
+  every position may always attend itself, so a padded position never has an empty softmax (its output
+  is meaningless and is zeroed after each block).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as functional
+from torch import nn
+
+from psrec.models.layers import make_activation
+
+NormPosition = Literal["pre", "post"]
+
+
+class MultiHeadAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, *, dropout: float = 0.0) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"model dim {dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.query = nn.Linear(dim, dim)
+        self.key = nn.Linear(dim, dim)
+        self.value = nn.Linear(dim, dim)
+        self.output = nn.Linear(dim, dim)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        return x.view(batch, length, self.num_heads, dim // self.num_heads).transpose(1, 2)  # (B, H, L, D/H)
+
+    def forward(self, query: torch.Tensor, key_value: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """query (B, Lq, D), key_value (B, Lk, D), allowed (B, Lq, Lk) bool -> (B, Lq, D)."""
+        q = self._split_heads(self.query(query))
+        k = self._split_heads(self.key(key_value))
+        v = self._split_heads(self.value(key_value))
+        attended = functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=self.dropout if self.training else 0.0
+        )  # (B, H, Lq, D/H)
+        batch, _, length, _ = attended.shape
+        return self.output(attended.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: (B, L, D) -> (B, L, D), ``Dropout(W2 act(Dropout(W1 x)))``."""
+
+    def __init__(self, dim: int, hidden_dim: int, *, activation: str, dropout: float) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(dim, hidden_dim),
+            nn.Dropout(dropout),
+            make_activation(activation),
+            nn.Linear(hidden_dim, dim),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        ffn_dim: int,
+        dropout: float,
+        activation: str = "relu",
+        norm_position: NormPosition = "post",
+    ) -> None:
+        super().__init__()
+        self.norm_position = norm_position
+        self.attention = MultiHeadAttention(dim, num_heads, dropout=dropout)
+        self.attention_dropout = nn.Dropout(dropout)
+        self.attention_norm = nn.LayerNorm(dim)
+        self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=dropout)
+        self.ffn_norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """x (B, L, D), allowed (B, L, L) bool -> (B, L, D)."""
+        if self.norm_position == "pre":
+            query = self.attention_norm(x)
+            x = query + self.attention(query, x, allowed)
+            x = self.ffn_norm(x)
+            return x + self.ffn(x)
+        x = self.attention_norm(x + self.attention_dropout(self.attention(x, x, allowed)))
+        return self.ffn_norm(x + self.ffn(x))
+
+
+def attention_allowed(mask: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """(B, L) bool real-item mask -> (B, L, L) bool: may query q attend key k."""
+    length = mask.shape[1]
+    allowed = mask.unsqueeze(1).expand(-1, length, -1)  # (B, Lq, Lk): key k is real
+    if causal:
+        allowed = allowed & torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    return allowed | torch.eye(length, dtype=torch.bool, device=mask.device)
+
+
+class TransformerStack(nn.Module):
+    """Blocks over ``{"hidden": (B, L, D), "mask": (B, L)}``; returns the state with "hidden" updated."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        num_blocks: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        activation: str = "relu",
+        norm_position: NormPosition = "post",
+        causal: bool = False,
+    ) -> None:
+        super().__init__()
+        self.causal = causal
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                dim,
+                num_heads,
+                ffn_dim=ffn_dim,
+                dropout=dropout,
+                activation=activation,
+                norm_position=norm_position,
+            )
+            for _ in range(num_blocks)
+        )
+
+    def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hidden, mask = state["hidden"], state["mask"]  # (B, L, D), (B, L)
+        allowed = attention_allowed(mask, causal=self.causal)  # (B, L, L)
+        keep = mask.unsqueeze(-1).to(hidden.dtype)  # (B, L, 1)
+        for block in self.blocks:
+            hidden = block(hidden, allowed) * keep
+        return {**state, "hidden": hidden}

@@ -1,0 +1,105 @@
+import pytest
+import torch
+from pydantic import ValidationError
+
+from psrec.models import (
+    DLRM,
+    BehaviorSequenceTransformer,
+    DCNv2,
+    DeepFM,
+    FactorizationMachineModel,
+    LogisticRegression,
+    SASRec,
+    WideAndDeep,
+    build_model,
+    parse_model_config,
+)
+from psrec.models.config import DCNv2Config, DLRMConfig, uses_linear_terms
+
+EXPECTED = {
+    "lr": LogisticRegression,
+    "fm": FactorizationMachineModel,
+    "wide_deep": WideAndDeep,
+    "deepfm": DeepFM,
+    "dcn_v2": DCNv2,
+    "dlrm": DLRM,
+    "bst": BehaviorSequenceTransformer,
+    "sasrec": SASRec,
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_name_builds_its_model(name: str) -> None:
+    data: dict[str, object] = {"name": name}
+    if name == "bst":
+        data["target_feature_index"] = 1
+    model = build_model(parse_model_config(data), num_dense=3, num_sparse=4, embedding_dim=10)
+    assert type(model) is EXPECTED[name]
+    assert model.uses_linear_terms is uses_linear_terms(parse_model_config(data))
+
+
+def test_config_values_reach_the_model() -> None:
+    config = parse_model_config({"name": "dlrm", "top_hidden_sizes": [16, 8], "dropout": 0.1})
+    assert isinstance(config, DLRMConfig)
+    model = build_model(config, num_dense=3, num_sparse=4, embedding_dim=5)
+    assert isinstance(model, DLRM)
+    assert model.bottom is not None and model.bottom.output_dim == 5
+    assert [m.out_features for m in model.top.modules() if isinstance(m, torch.nn.Linear)] == [16, 8, 1]
+    dcn = build_model(
+        DCNv2Config(structure="stacked", low_rank=2, num_cross_layers=3),
+        num_dense=0,
+        num_sparse=2,
+        embedding_dim=4,
+    )
+    assert isinstance(dcn, DCNv2) and dcn.parallel is None and len(dcn.cross.weights) == 3
+
+
+def test_bars_frappe_defaults() -> None:
+    deepfm = parse_model_config({"name": "deepfm"})
+    assert (deepfm.hidden_sizes, deepfm.batch_norm, deepfm.dropout) == ([400, 400, 400], True, 0.2)
+    dcn = parse_model_config({"name": "dcn_v2", "dropout": 0.4})
+    assert (dcn.structure, dcn.num_cross_layers) == ("parallel", 4)
+
+
+def test_unknown_name_lists_allowed_names() -> None:
+    with pytest.raises(ValidationError, match="'dlrm'.*'sasrec'|'sasrec'.*'dlrm'"):
+        parse_model_config({"name": "nope"})
+
+
+def test_unknown_key_is_rejected_with_its_path() -> None:
+    with pytest.raises(ValidationError, match=r"dlrm\.top_hiden_sizes"):
+        parse_model_config({"name": "dlrm", "top_hiden_sizes": [4]})
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"name": "dlrm", "dropout": 1.5}, "dropout"),
+        ({"name": "dlrm", "top_hidden_sizes": []}, "top_hidden_sizes"),
+        ({"name": "deepfm", "hidden_sizes": [0]}, "hidden_sizes"),
+        ({"name": "wide_deep", "activation": "swish"}, "activation"),
+        ({"name": "dcn_v2", "structure": "sideways"}, "structure"),
+        ({"name": "dcn_v2", "low_rank": 0}, "low_rank"),
+        ({"name": "bst"}, "target_feature_index"),
+        ({"name": "sasrec", "num_blocks": 0}, "num_blocks"),
+    ],
+)
+def test_bad_values_are_rejected(data: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        parse_model_config(data)
+
+
+def test_build_model_checks_sizes() -> None:
+    with pytest.raises(ValueError, match="embedding_dim"):
+        build_model(DLRMConfig(), num_dense=0, num_sparse=3, embedding_dim=0)
+    with pytest.raises(ValueError, match="target_feature_index"):
+        build_model(
+            parse_model_config({"name": "bst", "target_feature_index": 4}),
+            num_dense=0,
+            num_sparse=4,
+            embedding_dim=8,
+        )
+    with pytest.raises(ValueError, match="divisible"):
+        build_model(
+            parse_model_config({"name": "sasrec", "num_heads": 3}), num_dense=0, num_sparse=0, embedding_dim=8
+        )
