@@ -13,6 +13,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from psrec.data import commands as data_commands
+    from psrec.parallel import commands as parallel_commands
     from psrec.train import commands as train_commands
 
     parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     train_commands.register(subparsers)
     data_commands.register(subparsers)
+    parallel_commands.register(subparsers)
     return parser
 
 

@@ -141,6 +141,19 @@ class PSConfig(_Strict):
         return self
 
 
+class CheckpointConfig(_Strict):
+    """Atomic checkpoints in RUN_DIR/checkpoints: a full one every `full_every`, deltas in between."""
+
+    enabled: bool = True
+    every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
+    full_every: int = Field(4, ge=1, description="every Nth checkpoint is full, the others are deltas")
+    keep_last: int = Field(2, ge=1, description="restorable chains to keep")
+
+
+class FaultToleranceConfig(_Strict):
+    max_restarts: int = Field(3, ge=0, description="actor failures survived before the run gives up")
+
+
 class SyntheticDataConfig(_Strict):
     """Generate Criteo-shaped data into the run directory instead of reading `train`/`validation`."""
 
@@ -175,6 +188,8 @@ class RunConfig(_Strict):
     embedding: EmbeddingConfig = EmbeddingConfig()
     training: TrainingConfig = TrainingConfig()
     ps: PSConfig = PSConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
 
     def schema(self) -> Schema:
         if self.data.data_schema is not None:
@@ -222,6 +237,8 @@ class RunConfig(_Strict):
             if k not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps")
         }
         data.pop("run_dir")
+        data.pop("checkpoint")
+        data.pop("fault_tolerance")
         data["ps"] = {
             k: v for k, v in data["ps"].items() if k in ("num_shards", "num_buckets", "num_trainers")
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +41,38 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared datasets not found at {SHARED_DATA} (set PSREC_SHARED_DATA)")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def synthetic_sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Small synthetic Criteo-shaped train (24k rows) and validation (6k rows) Parquet sets."""
+    from psrec.data.synth import write_synthetic_criteo
+
+    root = tmp_path_factory.mktemp("synthetic")
+    sources = {}
+    for split, rows, seed in (("train", 24_000, 0), ("validation", 6_000, 1)):
+        write_synthetic_criteo(
+            root / split, rows=rows, seed=seed, cardinality_scale=0.002, row_group_rows=2048
+        )
+        sources[split] = {"format": "parquet", "paths": [str(root / split / "*.parquet")]}
+    return sources
+
+
+def small_run_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
+    """A tiny DLRM run on `synthetic_sources`, in-process unless overridden (dotted paths)."""
+    from psrec.config import parse_config
+    from psrec.data.synth import criteo_schema
+
+    data = {
+        "run_dir": str(run_dir),
+        "data": {"schema": criteo_schema().model_dump(), **sources},
+        "model": {"name": "dlrm", "bottom_hidden_sizes": [16], "top_hidden_sizes": [16, 8]},
+        "embedding": {"default": {"dim": 4, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}},
+        "training": {
+            "batch_size": 256,
+            "dense_optimizer": {"name": "adam", "lr": 0.003},
+            "log_every_steps": 10,
+        },
+        "ps": {"runtime": "local", "num_shards": 2, "num_buckets": 64},
+    }
+    return parse_config(data, overrides=overrides)

@@ -66,9 +66,17 @@ class ShardActor:
             "restore_snapshot",
             "set_learning_rate",
             "table_rows",
+            "confirm_checkpoint",
         }:
             raise ValueError(f"ShardActor.call: unknown method {method!r}")
         return getattr(self.shard, method)(*args, **kwargs)
+
+    def write_checkpoint(self, pending: Any, kind: str) -> Any:
+        """Write this shard's file of a pending checkpoint (shards write in parallel)."""
+        return write_shard_checkpoint(self.shard, pending, kind)
+
+    def restore(self, chain: list[Any], step: int) -> None:
+        restore_shard(self.shard, chain, step)
 
     def counters(self) -> dict[str, int]:
         return {
@@ -76,6 +84,23 @@ class ShardActor:
             "pushes_applied": self.shard.pushes_applied,
             "pushes_dropped": self.shard.pushes_dropped,
         }
+
+
+def write_shard_checkpoint(shard: ParameterShard, pending: Any, kind: str) -> Any:
+    from psrec.train.checkpoint import write_shard
+
+    return write_shard(pending, shard.shard_index, shard.checkpoint_arrays(kind))
+
+
+def restore_shard(shard: ParameterShard, chain: list[Any], step: int) -> None:
+    """Load this shard's file of each checkpoint of `chain` (full first, then deltas) into its tables."""
+    from psrec.train.checkpoint import load_checkpoint
+
+    arrays = [
+        (ref.kind, load_checkpoint(ref, shards=[shard.shard_index], dense=False).shards[shard.shard_index])
+        for ref in chain
+    ]
+    shard.restore_arrays(arrays, step=step)
 
 
 class _RayPending:

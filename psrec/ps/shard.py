@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from psrec.embedding import EmbeddingTable, TableState
+from psrec.embedding import EmbeddingTable, TableDelta, TableState
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class ParameterShard:
         self.pushes_dropped = 0
         self._pending: _PendingStep | None = None
         self._snapshots: dict[str, dict[str, TableState]] = {}
+        self._markers = {name: table.delta_marker() for name, table in tables.items()}
+        self._staged_markers: dict[str, int] = {}
 
     def pull(self, requests: dict[str, np.ndarray], *, train: bool = True) -> dict[str, np.ndarray]:
         """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted."""
@@ -117,6 +119,56 @@ class ParameterShard:
 
     def evict(self, step: int) -> dict[str, int]:
         return {name: table.evict(step=step) for name, table in self.tables.items()}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_arrays(self, kind: str) -> dict[str, np.ndarray]:
+        """This shard's part of a checkpoint as flat {"table/field": array}: every row ("full") or
+        only rows changed and ids removed since the previous checkpoint ("delta")."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"shard {self.shard_index}: checkpoint requested in the middle of step {self._pending.step}"
+            )
+        arrays: dict[str, np.ndarray] = {}
+        for name, table in self.tables.items():
+            marker = table.delta_marker()
+            record = table.export_state() if kind == "full" else table.export_delta(self._markers[name])
+            arrays.update({f"{name}/{key}": value for key, value in record.to_arrays().items()})
+            self._staged_markers[name] = marker
+        return arrays
+
+    def confirm_checkpoint(self) -> None:
+        """The checkpoint whose arrays were last taken is committed: later deltas start from it."""
+        for name, marker in self._staged_markers.items():
+            self.tables[name].forget_deltas_before(marker)
+            self._markers[name] = marker
+        self._staged_markers = {}
+
+    def restore_arrays(self, chain: list[tuple[str, dict[str, np.ndarray]]], *, step: int) -> None:
+        """Rebuild every table from a checkpoint chain [("full", arrays), ("delta", arrays), ...].
+
+        Afterwards the shard expects step `step` next: pushes of earlier steps count as retries.
+        """
+        if not chain or chain[0][0] != "full":
+            raise ValueError(f"shard {self.shard_index}: a restore chain starts with a full checkpoint")
+        for kind, arrays in chain:
+            per_table: dict[str, dict[str, np.ndarray]] = {name: {} for name in self.tables}
+            for key, value in arrays.items():
+                name, _, field_name = key.partition("/")
+                if name not in per_table:
+                    raise ValueError(f"shard {self.shard_index}: checkpoint holds unknown table {name!r}")
+                per_table[name][field_name] = value
+            for name, table in self.tables.items():
+                if not per_table[name]:
+                    raise ValueError(f"shard {self.shard_index}: checkpoint has no data for table {name!r}")
+                if kind == "full":
+                    table.import_state(TableState.from_arrays(per_table[name]))
+                else:
+                    table.apply_delta(TableDelta.from_arrays(per_table[name]))
+        self._markers = {name: table.delta_marker() for name, table in self.tables.items()}
+        self._staged_markers = {}
+        self._pending = None
+        self.applied_step = step - 1
+        self.last_request = {trainer: step - 1 for trainer in range(self.num_trainers)}
 
     def save_snapshot(self, tag: str) -> None:
         """Keep an in-memory copy of every table (e.g. the best model so far under early stopping)."""

@@ -12,6 +12,7 @@ import torch
 from psrec.config import RunConfig, SparseOptimizerConfig, TableConfig
 from psrec.embedding import AdmissionSpec, EmbeddingTable, EvictionSpec, InitializerSpec, SparseOptimizerSpec
 from psrec.models import build_model
+from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import linear_table_name
 from psrec.ps.routing import default_bucket_map
 
@@ -35,9 +36,7 @@ def build_table(name: str, config: TableConfig, *, seed: int) -> EmbeddingTable:
 
 
 def uses_linear_terms(config: RunConfig) -> bool:
-    with torch.random.fork_rng():  # building a throwaway model must not shift the dense init
-        model = build_model_for(config)
-    return bool(getattr(model, "uses_linear_terms", False))
+    return model_uses_linear_terms(config.model)
 
 
 def table_specs(config: RunConfig) -> dict[str, TableConfig]:

@@ -24,6 +24,11 @@ def register(subparsers: Any) -> None:
         metavar="PATH=VALUE",
         help="override a config field (YAML value)",
     )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest valid checkpoint (an interrupted run_dir resumes by itself)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     parser.set_defaults(func=run)
 
@@ -41,6 +46,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         overrides[path] = yaml.safe_load(value)
     if args.run_dir:
         overrides["run_dir"] = args.run_dir
+    if args.resume:
+        overrides["run_dir"] = args.resume
     if args.address:
         overrides["ps.address"] = args.address
     if args.local:
@@ -50,7 +57,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from psrec.config import ConfigError, load_config
-    from psrec.train.loop import train
+    from psrec.train.checkpoint import CheckpointError
 
     try:
         config = load_config(args.config, overrides=_overrides(args))
@@ -58,17 +65,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
+        resume = True if args.resume else None
         if args.no_progress:
-            summary = train(config, base_dir=args.data_dir, progress=_log_progress)
+            from psrec.train.loop import train
+
+            summary = train(config, base_dir=args.data_dir, progress=_log_progress, resume=resume)
         else:
-            summary = _train_with_bar(config, args.data_dir)
-    except ConfigError as error:
+            summary = _train_with_bar(config, args.data_dir, resume)
+    except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: workers shut down", file=sys.stderr)
         return 130
-    shown = {k: v for k, v in summary.items() if k not in ("history", "tables", "phase_seconds")}
+    hidden = ("history", "tables", "phase_seconds", "checkpoints")
+    shown = {k: v for k, v in summary.items() if k not in hidden}
     print(json.dumps(shown, indent=2, default=float))
     print(f"summary written to {config.run_dir}/summary.json")
     return 0
@@ -82,7 +93,7 @@ def _log_progress(report: dict[str, Any]) -> None:
     )
 
 
-def _train_with_bar(config: Any, data_dir: str) -> dict[str, Any]:
+def _train_with_bar(config: Any, data_dir: str, resume: bool | None) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from psrec.train.loop import train
@@ -105,4 +116,4 @@ def _train_with_bar(config: Any, data_dir: str) -> dict[str, Any]:
             )
             bar.update(task, completed=report["step"], status=status)
 
-        return train(config, base_dir=data_dir, progress=update)
+        return train(config, base_dir=data_dir, progress=update, resume=resume)

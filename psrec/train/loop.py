@@ -1,11 +1,18 @@
-"""The training driver: epochs of steps on a runtime, evaluation, early stopping, metrics, summary.
+"""The training driver: epochs of steps on a runtime, evaluation, early stopping, checkpoints, recovery.
 
 `train(config)` is what `psrec train CONFIG` runs. It prepares the data (generating the synthetic
-Criteo-shaped set when the config asks for it), starts the runtime (in-process or Ray), and then
-loops: every trainer runs `log_every_steps` steps, the driver updates the progress bar and
-TensorBoard, evaluates on the validation split at the end of each epoch (and every
-`eval_every_steps`), keeps the best model under early stopping (decaying all learning rates on a
-plateau), and finally evaluates the best model on validation and test and writes `summary.json`.
+Criteo-shaped set when the config asks for it), starts the runtime (in-process or Ray) and drives
+it: every trainer runs `log_every_steps` steps at a time; between chunks, at step boundaries, the
+driver reports progress (callback + TensorBoard), evaluates on the validation split (end of every
+epoch and every `eval_every_steps`), keeps the best model under early stopping (decaying every
+learning rate on a plateau), and writes checkpoints (`psrec.train.checkpoint`).
+
+Resume and failures: `train(..., resume=True)` restores the newest valid checkpoint chain of the
+run directory. When a Ray actor dies (trainer or shard), the runtime replaces it and the whole job
+rolls back to the last committed checkpoint; the rows consumed after it are consumed again, and the
+run's data accounting (`rows_consumed`) only counts rows of committed steps, so every training row
+is counted exactly once. Finally the best (or last) model is evaluated on validation and test and
+`RUN_DIR/summary.json` is written.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from psrec.config import RunConfig
+from psrec.train import checkpoint
 from psrec.train.metrics import BinaryMetricAccumulator, auc, logloss
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.worker import ChunkResult
@@ -32,52 +41,95 @@ ProgressFn = Callable[[dict[str, Any]], None]
 
 @dataclass
 class TrainState:
+    """What the driver knows of the run; the JSON-able part travels in every checkpoint's `extra`."""
+
     step: int = 0
+    epoch: int = 0
+    epoch_done: bool = False
+    stopped: bool = False
     samples: int = 0
     best_metric: float | None = None
     best_step: int = -1
     bad_evals: int = 0
+    lr_factor: float = 1.0
     history: list[dict[str, Any]] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)
-    bytes_pulled: int = 0
-    bytes_pushed: int = 0
-    row_ids: list[np.ndarray] = field(default_factory=list)
+    # (step after the chunk, row ids the chunk consumed): the exact-once data accounting.
+    consumed: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    rows_before_resume: int = 0
+
+    def extra(self) -> dict[str, Any]:
+        keys = (
+            "epoch",
+            "epoch_done",
+            "stopped",
+            "samples",
+            "best_metric",
+            "best_step",
+            "bad_evals",
+            "lr_factor",
+        )
+        return {k: getattr(self, k) for k in keys} | {
+            "history": self.history,
+            "rows_consumed": self.rows_consumed(),
+        }
+
+    def rows_consumed(self) -> int:
+        return self.rows_before_resume + sum(ids.size for _, ids in self.consumed)
+
+    def roll_back(self, step: int, extra: dict[str, Any]) -> None:
+        """Return to a checkpoint: forget the work of steps after it."""
+        for key in (
+            "epoch",
+            "epoch_done",
+            "stopped",
+            "samples",
+            "best_metric",
+            "best_step",
+            "bad_evals",
+            "lr_factor",
+        ):
+            setattr(self, key, extra.get(key, getattr(TrainState, key, None)))
+        self.step = step
+        self.history = list(extra.get("history", []))
+        self.consumed = [(end, ids) for end, ids in self.consumed if end <= step]
+        known = sum(ids.size for _, ids in self.consumed)
+        self.rows_before_resume = int(extra.get("rows_consumed", known)) - known
 
 
-def prepare_data(
-    config: RunConfig, *, base_dir: Path, run_dir: Path
-) -> tuple[dict[str, dict[str, Any]], str]:
-    """Data sources by split (as plain dicts) and the base dir their paths are relative to."""
+def synthetic_cache_dir() -> Path:
+    import os
+
+    return Path(os.environ.get("PSREC_CACHE", Path.home() / ".cache" / "psrec")).expanduser()
+
+
+def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, Any]]:
+    """Data sources by split, as plain dicts (paths relative to `base_dir` unless absolute)."""
     data = config.data
-    if data.synthetic is not None:
-        from psrec.data.synth import write_synthetic_criteo
+    if data.synthetic is None:
+        return {
+            split: getattr(data, split).model_dump(mode="json")
+            for split in ("train", "validation", "test")
+            if getattr(data, split) is not None
+        }
+    from psrec.data.synth import write_synthetic_criteo
 
-        synthetic = data.synthetic
-        directory = run_dir / "data"
-        splits = {"train": synthetic.train_rows, "validation": synthetic.validation_rows}
-        sources: dict[str, dict[str, Any]] = {}
-        for index, (split, rows) in enumerate(splits.items()):
-            if rows == 0:
-                continue
-            target = directory / split
-            marker = target / "_SUCCESS"
-            if not marker.exists():
-                logger.info("generating %d synthetic Criteo-shaped rows into %s", rows, target)
-                write_synthetic_criteo(
-                    target,
-                    rows=rows,
-                    seed=synthetic.seed + index,
-                    cardinality_scale=synthetic.cardinality_scale,
-                )
-                marker.write_text("ok\n")
-            sources[split] = {"format": "parquet", "paths": [str(target.resolve() / "*.parquet")]}
-        return sources, str(base_dir)
-    sources = {}
-    for split in ("train", "validation", "test"):
-        source = getattr(data, split)
-        if source is not None:
-            sources[split] = source.model_dump(mode="json")
-    return sources, str(base_dir)
+    synthetic = data.synthetic
+    key = f"criteo-scale{synthetic.cardinality_scale}-seed{synthetic.seed}"
+    sources: dict[str, dict[str, Any]] = {}
+    for index, (split, rows) in enumerate(
+        (("train", synthetic.train_rows), ("validation", synthetic.validation_rows))
+    ):
+        if rows == 0:
+            continue
+        target = synthetic_cache_dir() / "synthetic" / f"{key}-{split}-{rows}"
+        if not (target / "_SUCCESS").exists():
+            logger.info("generating %d synthetic Criteo-shaped rows into %s", rows, target)
+            write_synthetic_criteo(
+                target, rows=rows, seed=synthetic.seed + index, cardinality_scale=synthetic.cardinality_scale
+            )
+            (target / "_SUCCESS").write_text("ok\n")
+        sources[split] = {"format": "parquet", "paths": [str(target / "*.parquet")]}
+    return sources
 
 
 def train(
@@ -86,20 +138,38 @@ def train(
     base_dir: str | Path = ".",
     progress: ProgressFn | None = None,
     runtime: Runtime | None = None,
+    resume: bool | None = None,
 ) -> dict[str, Any]:
-    """Train as `config` says; returns (and writes to RUN_DIR/summary.json) the run summary."""
+    """Train as `config` says; returns (and writes to RUN_DIR/summary.json) the run summary.
+
+    `resume=None` (the default) resumes an interrupted run found in the run directory and moves a
+    finished one aside to RUN_DIR-<time>; `True` always resumes from the newest valid checkpoint;
+    `False` refuses a run directory that already holds checkpoints.
+    """
     run_dir = Path(config.run_dir)
+    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.exists() else False
+    if resume is None:
+        if (run_dir / "summary.json").exists():
+            archived = run_dir.with_name(f"{run_dir.name}-{datetime.now(UTC):%Y%m%d-%H%M%S}")
+            run_dir.rename(archived)
+            logger.info("%s held a finished run: moved it to %s", run_dir, archived)
+            has_checkpoints = False
+        resume = has_checkpoints
+    elif not resume and has_checkpoints:
+        raise checkpoint.CheckpointError(
+            f"{run_dir} already holds checkpoints: resume it (--resume) or choose another run_dir"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json", by_alias=True), indent=2))
-    sources, base = prepare_data(config, base_dir=Path(base_dir), run_dir=run_dir)
+    sources = prepare_data(config, base_dir=Path(base_dir))
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
-        runtime = make_runtime(config, base_dir=base, data_sources=sources)
+        runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
     writer = _summary_writer(run_dir)
-    state = TrainState()
     try:
-        summary = _train_loop(config, runtime, state, sources, writer, progress)
+        driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
+        summary = driver.run(resume=resume)
     finally:
         if writer is not None:
             writer.close()
@@ -110,129 +180,280 @@ def train(
     return summary
 
 
-def _train_loop(
-    config: RunConfig,
-    runtime: Runtime,
-    state: TrainState,
-    sources: dict[str, Any],
-    writer: Any,
-    progress: ProgressFn | None,
-) -> dict[str, Any]:
-    training = config.training
-    running = BinaryMetricAccumulator(window=100_000)
-    train_seconds = 0.0
-    stop = False
-    has_validation = "validation" in sources
-    for epoch in range(training.epochs):
-        runtime.start_epoch(epoch)
-        exhausted = False
-        while not exhausted and not stop:
-            chunk = training.log_every_steps
-            if training.max_steps is not None:
-                chunk = min(chunk, training.max_steps - state.step)
-                if chunk <= 0:
-                    stop = True
+class Driver:
+    """Drives one run on a runtime (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        runtime: Runtime,
+        *,
+        sources: dict[str, Any],
+        writer: Any = None,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.sources = sources
+        self.writer = writer
+        self.progress = progress
+        self.run_dir = str(config.run_dir)
+        self.state = TrainState()
+        self.running = BinaryMetricAccumulator(window=100_000)
+        self.train_seconds = 0.0
+        self.phase_seconds: dict[str, float] = {}
+        self.bytes_pulled = 0
+        self.bytes_pushed = 0
+        self.last_checkpoint: Any = None
+        self.last_parent: Any = None
+        self.since_full = 0
+        self.checkpoint_seconds: list[dict[str, Any]] = []
+        self.recoveries: list[dict[str, Any]] = []
+        self.best_snapshot = False
+
+    # -- the run -------------------------------------------------------------------------------
+    def run(self, *, resume: bool) -> dict[str, Any]:
+        if resume and self._restore_latest():
+            pass
+        else:
+            self.runtime.start_epoch(0)
+            self._checkpoint()  # step 0: a failure before the first periodic checkpoint rolls back here
+        restarts = 0
+        while True:
+            try:
+                self._train_until_done()
+                return self._finish()
+            except Exception as error:
+                if not _is_actor_failure(error) or restarts >= self.config.fault_tolerance.max_restarts:
+                    raise
+                restarts += 1
+                self._recover(error)
+
+    def _train_until_done(self) -> None:
+        training = self.config.training
+        state = self.state
+        while state.epoch < training.epochs and not state.stopped:
+            if state.epoch_done:
+                state.epoch += 1
+                state.epoch_done = False
+                if state.epoch >= training.epochs:
                     break
-            if training.eval_every_steps is not None:
-                chunk = min(chunk, training.eval_every_steps - state.step % training.eval_every_steps)
-            start = time.perf_counter()
-            results = runtime.train_steps(chunk)
-            train_seconds += time.perf_counter() - start
-            exhausted = _absorb(state, results, running)
-            if results[0].steps == 0:
-                continue
-            loss = sum(r.loss_sum for r in results) / max(1, sum(r.samples for r in results))
+                self.runtime.start_epoch(state.epoch)
+            exhausted = False
+            while not exhausted:
+                chunk = self._chunk_size()
+                if chunk <= 0:  # max_steps reached mid-epoch: a later resume with more steps goes on
+                    self._checkpoint()
+                    return
+                exhausted = self._train_chunk(chunk)
+                if self._due(self.config.training.eval_every_steps) and not exhausted:
+                    state.stopped = self._evaluate_and_decide()
+                    if state.stopped:
+                        break
+                if self._due(self.config.checkpoint.every_steps) and not exhausted:
+                    self._checkpoint()
+            if not state.stopped and "validation" in self.sources:
+                state.stopped = self._evaluate_and_decide()
+            state.epoch_done = True
+            self._checkpoint()
+
+    def _chunk_size(self) -> int:
+        training = self.config.training
+        chunk = training.log_every_steps
+        if training.max_steps is not None:
+            chunk = min(chunk, training.max_steps - self.state.step)
+        for every in (training.eval_every_steps, self.config.checkpoint.every_steps):
+            if every is not None:
+                chunk = min(chunk, every - self.state.step % every)
+        return chunk
+
+    def _due(self, every: int | None) -> bool:
+        return every is not None and self.state.step % every == 0
+
+    def _train_chunk(self, max_steps: int) -> bool:
+        start = time.perf_counter()
+        results = self.runtime.train_steps(max_steps)
+        self.train_seconds += time.perf_counter() - start
+        self._absorb(results)
+        if results[0].steps:
+            samples = sum(r.samples for r in results)
             report = {
-                "epoch": epoch,
-                "step": state.step,
-                "samples": state.samples,
-                "loss": loss,
-                "running_auc": running.compute()["auc"] if len(running) else float("nan"),
-                "samples_per_second": state.samples / max(train_seconds, 1e-9),
+                "epoch": self.state.epoch,
+                "step": self.state.step,
+                "samples": self.state.samples,
+                "loss": sum(r.loss_sum for r in results) / max(1, samples),
+                "running_auc": self.running.compute()["auc"] if len(self.running) else float("nan"),
+                "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
             }
-            _scalars(writer, "train", report, state.step)
-            if progress is not None:
-                progress(report)
-            due = training.eval_every_steps is not None and state.step % training.eval_every_steps == 0
-            if has_validation and due and not exhausted:
-                stop = _evaluate_and_decide(config, runtime, state, writer, epoch)
-        if has_validation and not stop:
-            stop = _evaluate_and_decide(config, runtime, state, writer, epoch)
-        if stop:
-            break
-    if state.best_step >= 0 and training.early_stopping is not None:
-        runtime.restore_snapshot("best")
-    summary: dict[str, Any] = {
-        "steps": state.step,
-        "samples": state.samples,
-        "train_seconds": train_seconds,
-        "samples_per_second": state.samples / max(train_seconds, 1e-9),
-        "best_step": state.best_step,
-        "history": state.history,
-        "phase_seconds": state.phase_seconds,
-        "bytes_pulled_per_sample": state.bytes_pulled / max(1, state.samples),
-        "bytes_pushed_per_sample": state.bytes_pushed / max(1, state.samples),
-        "rows_consumed": int(sum(r.size for r in state.row_ids)),
-        "rows_consumed_unique": int(np.unique(np.concatenate(state.row_ids)).size) if state.row_ids else 0,
-        "tables": runtime.table_stats(),
-    }
-    for split in ("validation", "test"):
-        if split in sources:
-            summary[split] = _metrics(*runtime.evaluate(split))
-    return summary
+            _scalars(self.writer, "train", report, self.state.step)
+            if self.progress is not None:
+                self.progress(report)
+        return all(result.exhausted for result in results)
+
+    def _absorb(self, results: list[ChunkResult]) -> None:
+        state = self.state
+        state.step += results[0].steps
+        row_ids = []
+        for result in results:
+            state.samples += result.samples
+            self.bytes_pulled += result.bytes_pulled
+            self.bytes_pushed += result.bytes_pushed
+            if result.samples:
+                self.running.update(result.labels, result.scores)
+            row_ids.append(result.row_ids)
+            for phase, seconds in result.phase_seconds.items():
+                self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds / len(results)
+        state.consumed.append((state.step, np.concatenate(row_ids)))
+
+    # -- evaluation and early stopping ------------------------------------------------------------
+    def _evaluate_and_decide(self) -> bool:
+        """Evaluate on validation; track the best model; decay learning rates or stop on a plateau."""
+        state = self.state
+        metrics: dict[str, Any] = _metrics(*self.runtime.evaluate("validation"))
+        metrics.update(step=state.step, epoch=state.epoch)
+        state.history.append(metrics)
+        _scalars(self.writer, "validation", metrics, state.step)
+        logger.info(
+            "step %d validation auc %.5f logloss %.5f", state.step, metrics["auc"], metrics["logloss"]
+        )
+        early = self.config.training.early_stopping
+        if early is None:
+            return False
+        value = metrics[early.metric]
+        best = state.best_metric
+        if best is None or (value > best if early.metric == "auc" else value < best):
+            state.best_metric, state.best_step, state.bad_evals = value, state.step, 0
+            self.runtime.save_snapshot("best")
+            self.best_snapshot = True
+            return False
+        state.bad_evals += 1
+        if state.bad_evals >= early.patience:
+            logger.info(
+                "early stopping at step %d: best %s %.5f at step %d",
+                state.step,
+                early.metric,
+                best,
+                state.best_step,
+            )
+            return True
+        state.lr_factor *= early.lr_decay
+        self.runtime.scale_learning_rates(early.lr_decay)
+        logger.info("no improvement: learning rates x %g", early.lr_decay)
+        return False
+
+    # -- checkpoints and recovery --------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        settings = self.config.checkpoint
+        if not settings.enabled:
+            return
+        last = self.last_checkpoint
+        if last is not None and last.step == self.state.step:
+            # Same step, new driver state (e.g. the epoch-end mark): replace that checkpoint.
+            kind, parent = last.kind, self.last_parent
+            self.since_full = max(0, self.since_full - 1)
+        elif last is None or self.since_full + 1 >= settings.full_every:
+            kind, parent = "full", None
+        else:
+            kind, parent = "delta", last
+        start = time.perf_counter()
+        ref = self.runtime.save_checkpoint(self.run_dir, kind=kind, parent=parent, extra=self.state.extra())
+        manifest = checkpoint.read_manifest(ref)
+        self.checkpoint_seconds.append(
+            {
+                "step": ref.step,
+                "kind": kind,
+                "seconds": time.perf_counter() - start,
+                "bytes": sum(f["size"] for f in manifest["files"].values()),
+            }
+        )
+        self.last_checkpoint, self.last_parent = ref, parent
+        self.since_full = 0 if kind == "full" else self.since_full + 1
+        checkpoint.apply_retention(self.run_dir, keep_last=settings.keep_last, verify_checksums=False)
+
+    def _chain(self) -> list[Any]:
+        return checkpoint.resolve_restore_chain(self.run_dir, config=self.config.fingerprint_dict())
+
+    def _restore_latest(self) -> bool:
+        chain = self._chain()
+        if not chain:
+            return False
+        restored = self.runtime.restore(chain)
+        self._after_restore(chain, restored)
+        logger.info("resumed from %s at step %d", chain[-1].name, self.state.step)
+        return True
+
+    def _after_restore(self, chain: list[Any], restored: dict[str, Any] | None) -> None:
+        if restored is None:
+            self.state.roll_back(0, {})
+            self.runtime.start_epoch(0)
+            self.last_checkpoint, self.since_full = None, 0
+            return
+        self.state.roll_back(int(restored["step"]), restored["extra"])
+        self.last_checkpoint = chain[-1]
+        self.last_parent = chain[-2] if len(chain) > 1 else None
+        self.since_full = len(chain) - 1
+        self.best_snapshot = False  # in-memory snapshots do not survive a restart
+
+    def _recover(self, error: BaseException) -> None:
+        failed_at = self.state.step
+        logger.warning("actor failure at step %d (%s): recovering", failed_at, type(error).__name__)
+        recover = getattr(self.runtime, "recover", None)
+        if recover is None:
+            raise error
+        start = time.perf_counter()
+        chain = self._chain()
+        restored = recover(chain)
+        self._after_restore(chain, restored)
+        seconds = time.perf_counter() - start
+        self.recoveries.append(
+            {"failed_at_step": failed_at, "restored_step": self.state.step, "seconds": seconds}
+        )
+        logger.warning("recovered in %.1f s: continuing from step %d", seconds, self.state.step)
+
+    # -- the end -------------------------------------------------------------------------------
+    def _finish(self) -> dict[str, Any]:
+        state = self.state
+        if self.config.training.early_stopping is not None and state.best_step >= 0:
+            if self.best_snapshot:
+                self.runtime.restore_snapshot("best")
+            else:
+                logger.warning(
+                    "the best model (step %d) was lost in a restart: evaluating the last one", state.best_step
+                )
+        consumed = [ids for _, ids in state.consumed]
+        summary: dict[str, Any] = {
+            "steps": state.step,
+            "epochs": state.epoch + (1 if state.epoch_done else 0),
+            "samples": state.samples,
+            "train_seconds": self.train_seconds,
+            "samples_per_second": state.samples / max(self.train_seconds, 1e-9),
+            "best_step": state.best_step,
+            "history": state.history,
+            "phase_seconds": self.phase_seconds,
+            "bytes_pulled_per_sample": self.bytes_pulled / max(1, state.samples),
+            "bytes_pushed_per_sample": self.bytes_pushed / max(1, state.samples),
+            "rows_consumed": state.rows_consumed(),
+            "rows_consumed_unique": int(np.unique(np.concatenate(consumed)).size) if consumed else 0,
+            "checkpoints": self.checkpoint_seconds,
+            "recoveries": self.recoveries,
+            "tables": self.runtime.table_stats(),
+        }
+        for split in ("validation", "test"):
+            if split in self.sources:
+                summary[split] = _metrics(*self.runtime.evaluate(split))
+        return summary
 
 
-def _absorb(state: TrainState, results: list[ChunkResult], running: BinaryMetricAccumulator) -> bool:
-    state.step += results[0].steps
-    for result in results:
-        state.samples += result.samples
-        state.bytes_pulled += result.bytes_pulled
-        state.bytes_pushed += result.bytes_pushed
-        if result.samples:
-            running.update(result.labels, result.scores)
-        state.row_ids.append(result.row_ids)
-        for phase, seconds in result.phase_seconds.items():
-            state.phase_seconds[phase] = state.phase_seconds.get(phase, 0.0) + seconds / len(results)
-    return all(result.exhausted for result in results)
+def _is_actor_failure(error: BaseException) -> bool:
+    try:
+        from ray.exceptions import RayError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(error, RayError)
 
 
 def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     return {"auc": auc(labels, scores), "logloss": logloss(labels, scores), "rows": int(labels.size)}
-
-
-def _evaluate_and_decide(
-    config: RunConfig, runtime: Runtime, state: TrainState, writer: Any, epoch: int
-) -> bool:
-    """Evaluate on validation; track the best model; decay learning rates or stop on a plateau."""
-    metrics = _metrics(*runtime.evaluate("validation"))
-    metrics.update(step=state.step, epoch=epoch)
-    state.history.append(metrics)
-    _scalars(writer, "validation", metrics, state.step)
-    logger.info("step %d validation auc %.5f logloss %.5f", state.step, metrics["auc"], metrics["logloss"])
-    early = config.training.early_stopping
-    if early is None:
-        return False
-    value = metrics[early.metric]
-    better = state.best_metric is None or (
-        value > state.best_metric if early.metric == "auc" else value < state.best_metric
-    )
-    if better:
-        state.best_metric, state.best_step, state.bad_evals = value, state.step, 0
-        runtime.save_snapshot("best")
-        return False
-    state.bad_evals += 1
-    if state.bad_evals >= early.patience:
-        logger.info(
-            "early stopping at step %d: best %s %.5f at step %d",
-            state.step,
-            early.metric,
-            state.best_metric or 0,
-            state.best_step,
-        )
-        return True
-    runtime.scale_learning_rates(early.lr_decay)
-    logger.info("no improvement: learning rates x %g", early.lr_decay)
-    return False
 
 
 def _summary_writer(run_dir: Path) -> Any:

@@ -16,7 +16,7 @@ import numpy as np
 
 from psrec.config import ConfigError, RunConfig
 from psrec.ps.shard import ParameterShard
-from psrec.train import builders
+from psrec.train import builders, checkpoint
 from psrec.train.worker import ChunkResult, TrainerWorker
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class Runtime(Protocol):
 
     def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def scale_learning_rates(self, factor: float) -> None: ...
+    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None: ...
 
     def save_snapshot(self, tag: str) -> None: ...
 
@@ -40,6 +40,10 @@ class Runtime(Protocol):
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
 
     def dense_states(self) -> list[dict[str, Any]]: ...
+
+    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any: ...
+
+    def restore(self, chain: list[Any]) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
 
@@ -97,9 +101,10 @@ class LocalRuntime:
     def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
         return self.trainer.evaluate(split)
 
-    def scale_learning_rates(self, factor: float) -> None:
+    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
         self._lr_factor *= factor
-        self.trainer.set_dense_learning_rate(factor)
+        if dense:
+            self.trainer.set_dense_learning_rate(factor)
         for shard in self.shards:
             for name, table in shard.tables.items():
                 table.set_learning_rate(_base_lr(self.config, name) * self._lr_factor)
@@ -123,8 +128,62 @@ class LocalRuntime:
     def dense_states(self) -> list[dict[str, Any]]:
         return [self.trainer.dense_state()]
 
+    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any:
+        from psrec.ps.actors import write_shard_checkpoint
+
+        pending = checkpoint.begin_checkpoint(run_dir, step=self.trainer.step, kind=kind)  # type: ignore[arg-type]
+        try:
+            files = {s.shard_index: write_shard_checkpoint(s, pending, kind) for s in self.shards}
+            ref = _commit(
+                self.config,
+                pending,
+                files,
+                self.trainer.dense_checkpoint(),
+                [self.trainer.checkpoint_state()],
+                extra,
+                parent,
+            )
+        except BaseException:
+            checkpoint.abort_checkpoint(pending)
+            raise
+        for shard in self.shards:
+            shard.confirm_checkpoint()
+        return ref
+
+    def restore(self, chain: list[Any]) -> dict[str, Any]:
+        from psrec.ps.actors import restore_shard
+
+        data = checkpoint.load_checkpoint(chain[-1], shards=[])
+        for shard in self.shards:
+            restore_shard(shard, chain, data.step)
+        self.trainer.restore(data.dense, data.trainers[0])
+        self._lr_factor = 1.0
+        self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
+        return {"step": data.step, **data.trainers[0], "extra": data.extra}
+
     def shutdown(self) -> None:
         self.trainer.shutdown()
+
+
+def _commit(
+    config: RunConfig,
+    pending: Any,
+    files: dict[int, Any],
+    dense: dict[str, Any],
+    trainers: list[dict[str, Any]],
+    extra: dict[str, Any],
+    parent: Any,
+) -> Any:
+    return checkpoint.commit_checkpoint(
+        pending,
+        shard_files=files,
+        dense=dense,
+        trainers=trainers,
+        extra=extra,
+        config=config.fingerprint_dict(),
+        bucket_map=builders.bucket_map(config).tolist(),
+        parent=parent,
+    )
 
 
 def _base_lr(config: RunConfig, table: str) -> float:
@@ -137,6 +196,8 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
+    if address is not None:
+        check_reachable(address)
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
     try:
         if address is None:
@@ -151,8 +212,34 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         ) from None
 
 
+def check_reachable(address: str, *, timeout: float = 5.0) -> None:
+    """Fail fast on a Ray address that does not answer (ray.init itself retries for minutes)."""
+    import socket
+
+    if address in ("auto", "local") or "://" in address:
+        return  # "auto" reads the local cluster file; client addresses are checked by ray.init
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"ps.address {address!r}: expected HOST:PORT of the Ray head node (e.g. 10.0.0.5:6379)"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"ps.address {address!r} does not answer ({error}). Is the Ray head running there "
+            "(`ray start --head` prints its address)? Leave ps.address empty to run on this machine."
+        ) from None
+
+
 class RayRuntime:
-    """Shards and trainers as Ray actors; dense allreduce through torch.distributed among the trainers."""
+    """Shards and trainers as Ray actors; dense allreduce through torch.distributed among the trainers.
+
+    Failure handling (`recover`): trainers are all replaced (a survivor may be blocked in an allreduce
+    with the dead one), dead shards are re-created, and every shard and trainer is restored from the
+    given checkpoint chain, so the whole job continues from the last committed checkpoint.
+    """
 
     def __init__(self, config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> None:
         import ray
@@ -162,39 +249,45 @@ class RayRuntime:
         self.config = config
         self._owns_ray = not ray.is_initialized()
         start_ray(config.ps.address)
-        ps = config.ps
-        config_dict = config.model_dump(mode="json", by_alias=True)
+        self._config_dict = config.model_dump(mode="json", by_alias=True)
+        self._base_dir = base_dir
+        self._data_sources = data_sources
         self._lr_factor = 1.0
-        shard_class = ray.remote(ShardActor)
-        trainer_class = ray.remote(TrainerWorker)
-        self.shards = [
-            shard_class.options(**_resources(ps.shard_resources), name=None).remote(
-                i, config_dict, threads=ps.shard_resources.threads
-            )
-            for i in range(ps.num_shards)
-        ]
-        self.trainers = [
-            trainer_class.options(**_resources(ps.trainer_resources)).remote(
-                config_dict, i, self.shards, base_dir=base_dir, data_sources=data_sources
-            )
-            for i in range(ps.num_trainers)
-        ]
+        self._shard_class = ray.remote(ShardActor)
+        self._trainer_class = ray.remote(TrainerWorker)
+        self.shards: list[Any] = []
+        self.trainers: list[Any] = []
         try:
-            ray.get(
-                [s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300
-            )
-            if ps.num_trainers > 1:
-                address = ray.get(self.trainers[0].node_address.remote())
-                port = ray.get(self.trainers[0].free_port.remote())
-                ray.get([t.init_process_group.remote(address, port) for t in self.trainers])
+            self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
+            self._start_trainers()
         except BaseException:
             self.shutdown()
             raise
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _start_shard(self, index: int) -> Any:
+        resources = self.config.ps.shard_resources
+        return self._shard_class.options(**_resources(resources)).remote(
+            index, self._config_dict, threads=resources.threads
+        )
+
+    def _start_trainers(self) -> None:
         import ray
 
-        return ray.get([getattr(t, method).remote(*args) for t in self.trainers])
+        ps = self.config.ps
+        self.trainers = [
+            self._trainer_class.options(**_resources(ps.trainer_resources)).remote(
+                self._config_dict, i, self.shards, base_dir=self._base_dir, data_sources=self._data_sources
+            )
+            for i in range(ps.num_trainers)
+        ]
+        _get([s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300)
+        if ps.num_trainers > 1:
+            address = ray.get(self.trainers[0].node_address.remote())
+            port = ray.get(self.trainers[0].free_port.remote())
+            _get([t.init_process_group.remote(address, port) for t in self.trainers])
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return _get([getattr(t, method).remote(*args) for t in self.trainers])
 
     def start_epoch(self, epoch: int) -> None:
         self._all("start_epoch", epoch)
@@ -206,58 +299,113 @@ class RayRuntime:
         parts = self._all("evaluate", split)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def scale_learning_rates(self, factor: float) -> None:
-        import ray
-
+    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
         self._lr_factor *= factor
-        self._all("set_dense_learning_rate", factor)
+        if dense:
+            self._all("set_dense_learning_rate", factor)
         calls = []
         for name in builders.table_specs(self.config):
             lr = _base_lr(self.config, name) * self._lr_factor
             calls += [s.call.remote("set_learning_rate", lr, [name]) for s in self.shards]
-        ray.get(calls)
+        _get(calls)
 
     def save_snapshot(self, tag: str) -> None:
-        import ray
-
-        ray.get(
+        _get(
             [t.save_snapshot.remote(tag) for t in self.trainers]
             + [s.call.remote("save_snapshot", tag) for s in self.shards]
         )
 
     def restore_snapshot(self, tag: str) -> None:
-        import ray
-
-        ray.get(
+        _get(
             [t.restore_snapshot.remote(tag) for t in self.trainers]
             + [s.call.remote("restore_snapshot", tag) for s in self.shards]
         )
 
     def table_stats(self) -> dict[str, dict[str, int]]:
-        import ray
-
-        return _sum_stats(ray.get([s.call.remote("stats") for s in self.shards]))
+        return _sum_stats(_get([s.call.remote("stats") for s in self.shards]))
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        import ray
-
-        return _merge_rows(ray.get([s.call.remote("table_rows") for s in self.shards]))
+        return _merge_rows(_get([s.call.remote("table_rows") for s in self.shards]))
 
     def dense_states(self) -> list[dict[str, Any]]:
         return self._all("dense_state")
+
+    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any:
+        states = self._all("checkpoint_state")
+        pending = checkpoint.begin_checkpoint(run_dir, step=int(states[0]["step"]), kind=kind)  # type: ignore[arg-type]
+        try:
+            records = _get([s.write_checkpoint.remote(pending, kind) for s in self.shards])
+            dense = _get([self.trainers[0].dense_checkpoint.remote()])[0]
+            ref = _commit(self.config, pending, dict(enumerate(records)), dense, states, extra, parent)
+        except BaseException:
+            checkpoint.abort_checkpoint(pending)
+            raise
+        _get([s.call.remote("confirm_checkpoint") for s in self.shards])
+        return ref
+
+    def restore(self, chain: list[Any]) -> dict[str, Any]:
+        data = checkpoint.load_checkpoint(chain[-1], shards=[])
+        _get([s.restore.remote(chain, data.step) for s in self.shards])
+        _get([t.restore.remote(data.dense, data.trainers[i]) for i, t in enumerate(self.trainers)])
+        self._lr_factor = 1.0
+        self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
+        return {"step": data.step, **data.trainers[0], "extra": data.extra}
+
+    def recover(self, chain: list[Any]) -> dict[str, Any] | None:
+        """Replace dead actors and roll every shard and trainer back to `chain` (or to a fresh start)."""
+        import ray
+
+        for trainer in self.trainers:
+            ray.kill(trainer)
+        dead = [i for i, shard in enumerate(self.shards) if not _answers(shard)]
+        logger.warning("recovering: re-creating trainers and shards %s", dead)
+        if not chain:  # nothing committed yet: start over with fresh tables everywhere
+            dead = list(range(len(self.shards)))
+        for index in dead:
+            ray.kill(self.shards[index])
+            self.shards[index] = self._start_shard(index)
+        self._start_trainers()
+        if not chain:
+            self._lr_factor = 1.0
+            return None
+        return self.restore(chain)
 
     def shutdown(self) -> None:
         import ray
 
         if not ray.is_initialized():
             return
-        for trainer in getattr(self, "trainers", []):
+        for trainer in self.trainers:
             with contextlib.suppress(Exception):  # best effort: the actor is killed next
                 ray.get(trainer.shutdown.remote(), timeout=10)
-        for actor in [*getattr(self, "trainers", []), *getattr(self, "shards", [])]:
-            ray.kill(actor)
+        for actor in [*self.trainers, *self.shards]:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _get(refs: list[Any], timeout: float | None = None) -> list[Any]:
+    """ray.get that raises as soon as any call fails (ray.get(list) may first wait on a blocked one)."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:
+            raise TimeoutError(f"{len(pending)} actor calls did not answer within {timeout} s")
+        ray.get(ready)  # raises the call's error, if any
+    return ray.get(list(refs))
+
+
+def _answers(actor: Any, timeout: float = 10.0) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.pid.remote(), timeout=timeout)
+    except Exception:  # noqa: BLE001 - any failure means the actor must be replaced
+        return False
+    return True
 
 
 def _resources(resources: Any) -> dict[str, Any]:

@@ -210,6 +210,27 @@ class TrainerWorker:
         self.model.load_state_dict(self._snapshots[tag]["model"])
         self.optimizer.load_state_dict(self._snapshots[tag]["optimizer"])
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        """JSON-able: where this trainer is (step, epoch, reader position after its last batch)."""
+        position = self._reader.position() if self._reader is not None else None
+        return {"trainer": self.trainer_index, "step": self.step, "epoch": self.epoch, "position": position}
+
+    def dense_checkpoint(self) -> dict[str, Any]:
+        """The dense model and optimizer state (identical on every trainer after the allreduce)."""
+        return {"model": self.dense_state(), "optimizer": _clone(self.optimizer.state_dict())}
+
+    def restore(self, dense: dict[str, Any] | None, state: dict[str, Any] | None) -> None:
+        """Resume from a checkpoint: dense state, step, and this trainer's epoch and reader position."""
+        if dense:
+            self.model.load_state_dict(dense["model"])
+            self.optimizer.load_state_dict(dense["optimizer"])
+        if state is None:
+            self.step, self.epoch = 0, -1
+            return
+        self.step = int(state["step"])
+        self.start_epoch(int(state["epoch"]), position=state["position"])
+
     def pid(self) -> int:
         return os.getpid()
 

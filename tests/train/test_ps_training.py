@@ -13,40 +13,21 @@ from psrec.config import ConfigError, RunConfig, parse_config
 from psrec.data.batch import concat_batches
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
-from psrec.data.synth import criteo_schema, write_synthetic_criteo
 from psrec.ps.client import EmbeddingClient, LocalConnection
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
 from psrec.train.loop import train
 from psrec.train.step import StepRunner
+from tests.conftest import small_run_config
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    root = tmp_path_factory.mktemp("synthetic")
-    sources = {}
-    for split, rows, seed in (("train", 24_000, 0), ("validation", 6_000, 1)):
-        write_synthetic_criteo(
-            root / split, rows=rows, seed=seed, cardinality_scale=0.002, row_group_rows=2048
-        )
-        sources[split] = {"format": "parquet", "paths": [str(root / split / "*.parquet")]}
-    return sources
+def dataset(synthetic_sources: dict[str, Any]) -> dict[str, Any]:
+    return synthetic_sources
 
 
 def make_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> RunConfig:
-    data = {
-        "run_dir": str(run_dir),
-        "data": {"schema": criteo_schema().model_dump(), **sources},
-        "model": {"name": "dlrm", "bottom_hidden_sizes": [16], "top_hidden_sizes": [16, 8]},
-        "embedding": {"default": {"dim": 4, "optimizer": {"name": "rowwise_adagrad", "lr": 0.1}}},
-        "training": {
-            "batch_size": 256,
-            "dense_optimizer": {"name": "adam", "lr": 0.003},
-            "log_every_steps": 10,
-        },
-        "ps": {"runtime": "local", "num_shards": 2, "num_buckets": 64},
-    }
-    return parse_config(data, overrides=overrides)
+    return small_run_config(sources, run_dir, **overrides)
 
 
 def test_in_process_training_learns(dataset: dict[str, Any], tmp_path: Path) -> None:
@@ -165,3 +146,20 @@ def test_config_errors_fail_before_training(tmp_path: Path) -> None:
         parse_config({**base, "ps": {"num_shards": 8, "num_buckets": 4}})
     with pytest.raises(ConfigError, match="tables"):
         parse_config({**base, "embedding": {"default": None, "tables": {"C1": {"dim": 4}}}})
+
+
+def test_unreachable_ray_address_fails_fast() -> None:
+    import socket
+    import time
+
+    from psrec.train.runtime import check_reachable
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="does not answer"):
+        check_reachable(f"127.0.0.1:{port}", timeout=1.0)
+    assert time.perf_counter() - start < 5
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        check_reachable("not-an-address")
