@@ -1,16 +1,133 @@
-"""`psrec data ...` subcommands (convert, synth). Filled in by the input pipeline."""
+"""`psrec data synth` and `psrec data convert`: make datasets from the command line.
+
+    psrec data synth data/synth --rows 1000000 --files 4 --format parquet
+    psrec data convert day_0.tsv.gz --format criteo_tsv --out data/criteo
+    psrec data convert frappe.train.libfm --format libfm --config frappe.yaml --out data/frappe
+
+`--config` is a YAML file with `schema:` (a `Schema`) and optionally `source:` (`DataSource` options
+such as `delimiter`, `header`, `columns`, `field_ranges`, `on_error`; `format` and `paths` come from
+the command line). Without it, criteo_tsv uses `criteo_schema()`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def register(subparsers: Any) -> None:
     data = subparsers.add_parser("data", help="convert or synthesise datasets")
     data_sub = data.add_subparsers(dest="data_command", required=True)
-    del data_sub  # subcommands are added by the input pipeline
+
+    synth = data_sub.add_parser("synth", help="write a synthetic Criteo-shaped dataset")
+    synth.add_argument("output", type=Path, help="output directory")
+    synth.add_argument("--rows", type=int, required=True)
+    synth.add_argument("--files", type=int, default=1)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--format", choices=["parquet", "tsv", "tsv.gz"], default="parquet")
+    synth.add_argument("--cardinality-scale", type=float, default=1.0, help="shrink Criteo's cardinalities")
+    synth.add_argument("--row-group-rows", type=int, default=65536)
+    synth.set_defaults(func=run_synth)
+
+    convert = data_sub.add_parser("convert", help="convert raw TSV/CSV/libfm files to Parquet")
+    convert.add_argument("inputs", nargs="+", help="input files or globs")
+    convert.add_argument("--format", choices=["criteo_tsv", "csv", "libfm"], required=True)
+    convert.add_argument("--out", type=Path, required=True, help="output directory")
+    convert.add_argument("--config", type=Path, help="YAML with `schema:` and optional `source:` options")
+    convert.add_argument("--on-error", choices=["raise", "skip"], default=None)
+    convert.add_argument("--row-group-rows", type=int, default=65536)
+    convert.set_defaults(func=run_convert)
 
 
-def _unused(args: argparse.Namespace) -> int:  # pragma: no cover
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from psrec.data.synth import write_synthetic_criteo
+
+    console = Console(stderr=True)
+    with _progress(console) as progress:
+        task = progress.add_task("rows", total=args.rows)
+        paths = write_synthetic_criteo(
+            args.output,
+            rows=args.rows,
+            files=args.files,
+            seed=args.seed,
+            format=args.format,
+            cardinality_scale=args.cardinality_scale,
+            row_group_rows=args.row_group_rows,
+            progress=lambda done: progress.update(task, completed=done),
+        )
+    console.print(f"wrote {args.rows} rows to {len(paths)} file(s) in {args.output}")
+    return 0
+
+
+def _load_config(args: argparse.Namespace) -> tuple[Any, Any]:
+    from psrec.data.schema import DataSource, Schema
+    from psrec.data.synth import criteo_schema
+
+    config: dict[str, Any] = {}
+    if args.config is not None:
+        config = yaml.safe_load(args.config.read_text()) or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{args.config}: expected a mapping with `schema:` and `source:`")
+        unknown = set(config) - {"schema", "source"}
+        if unknown:
+            raise ValueError(f"{args.config}: unknown keys {sorted(unknown)} (expected schema, source)")
+    options = dict(config.get("source") or {})
+    options.update(format=args.format, paths=args.inputs)
+    if args.on_error is not None:
+        options["on_error"] = args.on_error
+    source = DataSource.model_validate(options)
+    if "schema" in config:
+        schema = Schema.model_validate(config["schema"])
+    elif args.format == "criteo_tsv":
+        schema = criteo_schema()
+    else:
+        raise ValueError(f"format {args.format!r} needs --config with a `schema:`")
+    return source, schema
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from psrec.data.convert import convert_to_parquet
+    from psrec.data.errors import BadRowError
+
+    console = Console(stderr=True)
+    try:
+        source, schema = _load_config(args)
+    except (ValidationError, ValueError, OSError) as error:
+        console.print(f"[red]invalid configuration:[/red] {escape(str(error))}")
+        return 2
+    try:
+        with _progress(console) as progress:
+            task = progress.add_task("bytes", total=None)
+            paths, summary = convert_to_parquet(
+                source,
+                schema,
+                args.out,
+                row_group_rows=args.row_group_rows,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+    except (BadRowError, FileNotFoundError, ValueError) as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}")
+        return 1
+    console.print(f"wrote {summary['rows']} rows to {len(paths)} Parquet file(s) in {args.out}")
+    if summary["rows_skipped"]:
+        console.print(f"skipped {summary['rows_skipped']} bad rows, e.g.:")
+        console.print(json.dumps(summary["skipped_samples"][:5], indent=2), markup=False)
     return 0

@@ -1,0 +1,103 @@
+"""Convert raw Criteo TSV / CSV / libfm files into Parquet with the schema's columns.
+
+Each input file becomes one Parquet file of the same stem in the output directory, with row groups of
+`row_group_rows` rows (the unit of sharding and resume when reading it back). Columns keep the types
+the text readers parse them to (labels and dense features float64, hashed features text, pass-through
+ids int64, libfm multi-valued fields lists), so reading the Parquet files with the same schema gives
+exactly the batches the raw files give. Bad rows raise or are skipped as `source.on_error` says.
+
+Run: `psrec data convert day_0.tsv.gz day_1.tsv.gz --format criteo_tsv --out data/criteo`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from psrec.data.errors import BadRows
+from psrec.data.features import ROW_ID
+from psrec.data.reader import make_format_reader
+from psrec.data.schema import DataSource, Schema
+from psrec.data.units import Unit, expand_paths
+
+logger = logging.getLogger(__name__)
+
+
+def _unit_size(unit: Unit) -> int:
+    if unit.stop >= 0:
+        return unit.stop - unit.start
+    return Path(unit.path).stat().st_size
+
+
+def convert_to_parquet(
+    source: DataSource,
+    schema: Schema,
+    output_dir: str | Path,
+    *,
+    base_dir: str | Path = ".",
+    row_group_rows: int = 65536,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[Path], dict[str, Any]]:
+    """Write one Parquet file per input file; return the paths and {rows, rows_skipped, skipped_samples}.
+
+    `progress(done, total)` is called after each unit with the input bytes (or rows) done and in all.
+    """
+    if source.format in ("parquet", "interactions"):
+        raise ValueError(f"convert reads csv, criteo_tsv or libfm files, not {source.format!r}")
+    errors = BadRows(source.on_error)
+    files = expand_paths(source.paths, base_dir)
+    reader = make_format_reader(source, schema, files, errors)
+    units = reader.units()
+    total = sum(_unit_size(unit) for unit in units)
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    done = rows = 0
+    for index, path in enumerate(files):
+        name = path.name.removesuffix(".gz")
+        target = output / (Path(name).stem + ".parquet")
+        if target in written:
+            target = output / f"{Path(name).stem}-{index}.parquet"
+        writer: pq.ParquetWriter | None = None
+        pending: list[pa.Table] = []
+        pending_rows = 0
+        try:
+            for unit in (u for u in units if u.file_index == index):
+                for table in reader.read(unit, None):
+                    table = table.drop_columns([ROW_ID])
+                    pending.append(table)
+                    pending_rows += table.num_rows
+                    while pending_rows >= row_group_rows:
+                        merged = pa.concat_tables(pending).combine_chunks()
+                        writer = writer or pq.ParquetWriter(target, merged.schema, compression="zstd")
+                        writer.write_table(merged.slice(0, row_group_rows), row_group_size=row_group_rows)
+                        rest = merged.slice(row_group_rows)
+                        pending, pending_rows = [rest], rest.num_rows
+                        rows += row_group_rows
+                done += _unit_size(unit)
+                if progress is not None:
+                    progress(done, total)
+            if pending_rows or writer is None:
+                merged = pa.concat_tables(pending) if pending else None
+                if merged is None:
+                    logger.warning("%s has no rows; no Parquet file written", path)
+                    continue
+                writer = writer or pq.ParquetWriter(target, merged.schema, compression="zstd")
+                writer.write_table(merged, row_group_size=row_group_rows)
+                rows += merged.num_rows
+        finally:
+            if writer is not None:
+                writer.close()
+        written.append(target)
+        logger.info("converted %s -> %s", path, target)
+    summary = {
+        "rows": rows,
+        "rows_skipped": errors.count,
+        "skipped_samples": [sample.as_dict() for sample in errors.samples],
+    }
+    return written, summary

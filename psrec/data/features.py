@@ -1,0 +1,210 @@
+"""Turn a table of raw columns (as the format readers produce them) into a `Batch`, in two steps:
+`prepare_table` once per table read (hash, transform), `table_to_batch` once per batch (assemble).
+
+Column kinds by schema role:
+
+- labels: numbers (float32 in the batch); a missing label is a bad row (`bad_label_rows`);
+- dense: numbers, missing = null/NaN -> `fill`, then `clip`, then `log1p` of max(x, 0);
+- sparse, single-valued: text or integers, one id per row (hashed; missing hashes as "");
+  pass-through (`hashed=False`) ids must be integers in [0, 2**48) (`bad_id_rows` finds others);
+- sparse multi-valued and sequences: `separator`-joined text or Arrow lists; empty tokens dropped.
+
+Readers hand over the column `__row_id` too (global row ids, see `psrec.data.units`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from psrec.data.batch import Batch, PaddedSequence, SparseBatch
+from psrec.data.hashing import MAX_PASSTHROUGH_ID, hash_values
+from psrec.data.schema import DenseFeature, Schema, SequenceFeature, SparseFeature
+
+ROW_ID = "__row_id"
+
+
+def text_column_types(schema: Schema) -> dict[str, pa.DataType]:
+    """Arrow types the text readers parse each needed column to (errors become bad rows)."""
+    types: dict[str, pa.DataType] = dict.fromkeys(schema.label_names, pa.float64())
+    types.update({f.name: pa.float64() for f in schema.dense})
+    for feature in schema.sparse:
+        single_id = not feature.multi_valued and not feature.hashed
+        types[feature.name] = pa.int64() if single_id else pa.string()
+    types.update({f.name: pa.string() for f in schema.sequences})
+    return types
+
+
+def _tokens(column: pa.Array, separator: str) -> tuple[pa.Array, np.ndarray]:
+    """(flat non-empty tokens, per-row counts) of a text or list column."""
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = pc.split_pattern(column, separator)
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise TypeError(f"expected text or a list column, got {column.type}")
+    flat = pc.list_flatten(column)
+    parents = pc.list_parent_indices(column).to_numpy()
+    if pa.types.is_string(flat.type) or pa.types.is_large_string(flat.type):
+        keep = pc.and_(pc.is_valid(flat), pc.not_equal(flat, "")).fill_null(False)
+    else:
+        keep = pc.is_valid(flat)
+    keep_mask = keep.to_numpy(zero_copy_only=False)
+    flat = flat.filter(keep)
+    counts = np.bincount(parents[keep_mask], minlength=len(column)).astype(np.int32)
+    return flat, counts
+
+
+def _passthrough_ids(values: pa.Array) -> np.ndarray:
+    ids = values.cast(pa.int64()).to_numpy(zero_copy_only=False)
+    if ids.size and (ids.min() < 0 or ids.max() >= MAX_PASSTHROUGH_ID):
+        raise ValueError("pass-through ids must lie in [0, 2**48)")
+    return ids.astype(np.int64, copy=False)
+
+
+def _feature_ids(feature: SparseFeature | SequenceFeature, column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    multi = isinstance(feature, SequenceFeature) or feature.multi_valued
+    if multi:
+        values, lengths = _tokens(column, feature.separator)
+    else:
+        values, lengths = column, np.ones(len(column), dtype=np.int32)
+    if feature.hashed:
+        return hash_values(feature.id_namespace, values), lengths
+    return _passthrough_ids(values), lengths
+
+
+def pad_sequences(ids: np.ndarray, lengths: np.ndarray, max_length: int) -> PaddedSequence:
+    """Right-aligned (B, max_length) ids and mask from flat ids + per-row lengths, keeping the last ids."""
+    batch_size = lengths.size
+    out = np.zeros((batch_size, max_length), dtype=np.int64)
+    mask = np.zeros((batch_size, max_length), dtype=bool)
+    kept = np.minimum(lengths, max_length).astype(np.int64)
+    total = int(kept.sum())
+    if total:
+        ends = np.cumsum(lengths, dtype=np.int64)
+        row = np.repeat(np.arange(batch_size), kept)
+        within = np.arange(total) - np.repeat(np.cumsum(kept) - kept, kept)  # 0..kept-1 per row
+        source = np.repeat(ends - kept, kept) + within
+        column = np.repeat(max_length - kept, kept) + within
+        out[row, column] = ids[source]
+        mask[row, column] = True
+    return PaddedSequence(ids=out, mask=mask)
+
+
+def _dense_column(feature: DenseFeature, column: pa.ChunkedArray) -> np.ndarray:
+    values = column.cast(pa.float64()).to_numpy()
+    values = np.where(np.isfinite(values), values, feature.fill)
+    if feature.clip is not None:
+        values = np.clip(values, feature.clip[0], feature.clip[1])
+    if feature.log1p:
+        values = np.log1p(np.maximum(values, 0.0))
+    return values.astype(np.float32)
+
+
+def prepare_table(schema: Schema, table: pa.Table) -> pa.Table:
+    """Raw columns -> final values, once per table read (before shuffling and batching).
+
+    Labels and dense features become float32 (transforms applied), single-valued sparse features
+    int64 ids, multi-valued and sequence features list<int64> ids; `__row_id` is kept. Hashing a
+    whole table at once hashes each distinct value of a dictionary-encoded column once, and the
+    shuffle then moves numbers instead of text.
+    """
+    columns: dict[str, pa.Array] = {}
+    for name in schema.label_names:
+        columns[name] = pa.array(table.column(name).cast(pa.float32()).to_numpy())
+    for dense in schema.dense:
+        columns[dense.name] = pa.array(_dense_column(dense, table.column(dense.name)))
+    features: list[SparseFeature | SequenceFeature] = [*schema.sparse, *schema.sequences]
+    for feature in features:
+        ids, lengths = _feature_ids(feature, table.column(feature.name).combine_chunks())
+        if isinstance(feature, SparseFeature) and not feature.multi_valued:
+            columns[feature.name] = pa.array(ids)
+        else:
+            offsets = np.zeros(lengths.size + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            columns[feature.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
+    columns[ROW_ID] = table.column(ROW_ID).combine_chunks()
+    return pa.table(columns)
+
+
+def _list_ids(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(flat ids, per-row lengths) of a list<int64> column (no nulls)."""
+    lengths = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int32)
+    return pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), lengths
+
+
+def table_to_batch(schema: Schema, table: pa.Table) -> Batch:
+    """Assemble a `Batch` from a prepared table (see `prepare_table`)."""
+    table = table.combine_chunks()
+
+    def column(name: str) -> pa.Array:
+        chunked = table.column(name)
+        return chunked.chunk(0) if chunked.num_chunks else pa.array([], chunked.type)
+
+    labels = [column(name).to_numpy(zero_copy_only=False) for name in schema.label_names]
+    label_array = labels[0] if len(labels) == 1 else np.stack(labels, axis=1)
+    dense = np.empty((table.num_rows, len(schema.dense)), dtype=np.float32)  # (B, num_dense)
+    for index, feature in enumerate(schema.dense):
+        dense[:, index] = column(feature.name).to_numpy(zero_copy_only=False)
+    features: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for sparse_feature in schema.sparse:
+        values = column(sparse_feature.name)
+        if sparse_feature.multi_valued:
+            features[sparse_feature.name] = _list_ids(values)
+        else:
+            ids = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+            features[sparse_feature.name] = (ids, np.ones(ids.size, dtype=np.int32))
+    if features:
+        sparse = SparseBatch.from_features(features)
+    else:
+        sparse = SparseBatch((), np.zeros(0, np.int64), np.zeros(0, np.int32))
+    sequences = {
+        sequence.name: pad_sequences(*_list_ids(column(sequence.name)), sequence.max_length)
+        for sequence in schema.sequences
+    }
+    return Batch(
+        labels=np.ascontiguousarray(label_array, dtype=np.float32),
+        dense=dense,
+        sparse=sparse,
+        sequences=sequences,
+        row_ids=column(ROW_ID).to_numpy(zero_copy_only=False).astype(np.int64, copy=False),
+    )
+
+
+def bad_rows(schema: Schema, table: pa.Table) -> list[tuple[int, str]]:
+    """(row index, reason) of rows that would fail conversion: missing labels, bad pass-through ids.
+
+    Readers call this before handing a table on, so conversion never meets a bad row.
+    """
+    problems: dict[int, str] = {}
+    for name in schema.label_names:
+        column = table.column(name)
+        if column.null_count:
+            for index in np.flatnonzero(~pc.is_valid(column).to_numpy(zero_copy_only=False)):
+                problems.setdefault(int(index), f"missing label {name!r}")
+    features: list[SparseFeature | SequenceFeature] = [*schema.sparse, *schema.sequences]
+    for feature in features:
+        if feature.hashed:
+            continue
+        column = table.column(feature.name).combine_chunks()
+        multi = isinstance(feature, SequenceFeature) or feature.multi_valued
+        if not multi:
+            if column.null_count:
+                for index in np.flatnonzero(~pc.is_valid(column).to_numpy(zero_copy_only=False)):
+                    problems.setdefault(int(index), f"missing id for pass-through feature {feature.name!r}")
+            values = column.cast(pa.int64()).fill_null(0).to_numpy()
+            for index in np.flatnonzero((values < 0) | (values >= MAX_PASSTHROUGH_ID)):
+                problems.setdefault(int(index), f"{feature.name}: id {values[index]} outside [0, 2**48)")
+            continue
+        try:
+            _passthrough_ids(_tokens(column, feature.separator)[0])
+            continue
+        except (ValueError, pa.ArrowInvalid, TypeError):
+            pass  # find the offending rows one by one (error path only)
+        for row in range(len(column)):
+            try:
+                _passthrough_ids(_tokens(column.slice(row, 1), feature.separator)[0])
+            except (ValueError, pa.ArrowInvalid, TypeError) as error:
+                problems.setdefault(row, f"{feature.name}: {error}")
+    return sorted(problems.items())

@@ -1,0 +1,384 @@
+"""`open_reader`: a shard's rows as `Batch`es, shuffled in a bounded window, resumable, prefetched.
+
+Data flow (each step is a plain function; the format readers are in their own modules)::
+
+    units of the dataset (psrec.data.units) -> this shard's units (every N-th; order shuffled by seed)
+      -> stream of Arrow tables, each from one unit (format reader: parquet / text / libfm / interactions),
+         hashed and transformed (features.prepare_table)
+      -> windows: with a shuffle buffer S, the next S rows in stream order, permuted by rng(seed, shard, w)
+      -> batches of `batch_size` rows -> features.table_to_batch -> Batch (+ the position after it)
+      -> background thread, `prefetch` batches ahead -> the trainer
+
+Position (plain JSON, what a checkpoint stores) after a batch: the stream position (unit index in the
+shard's order, file offset of the last row read before it) where the current window starts, the
+window's number and how many of its rows have been delivered. Reopening with it re-reads that window,
+permutes it the same way and drops the rows already delivered: exactly the remaining rows of the
+shard, in the same order. Without shuffling a window is simply each table read, and the position is
+the last row delivered.
+
+Typical use, one reader per epoch::
+
+    for epoch in range(epochs):
+        with open_reader(source, schema, batch_size=4096, shard=rank, num_shards=world,
+                         shuffle_buffer=100_000, seed=epoch) as reader:
+            for batch in reader:
+                train_step(batch)
+                checkpoint_data = reader.position()  # store with the model
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from psrec.data.batch import Batch
+from psrec.data.errors import BadRows
+from psrec.data.features import ROW_ID, prepare_table, table_to_batch
+from psrec.data.schema import DataSource, Schema
+from psrec.data.units import OFFSET_MASK, Unit, expand_paths, shard_units
+
+logger = logging.getLogger(__name__)
+
+POSITION_VERSION = 1
+
+
+class FormatReader(Protocol):
+    """What each format provides: its units, and the rows of one unit after a file offset."""
+
+    def units(self) -> list[Unit]: ...
+
+    def read(self, unit: Unit, after: int | None) -> Iterator[pa.Table]: ...
+
+
+def make_format_reader(
+    source: DataSource, schema: Schema, files: list[Path], errors: BadRows, *, seed: int = 0
+) -> FormatReader:
+    """The format reader for `source` (imports lazily: each format is its own module).
+
+    `seed` only matters for interactions, whose training rows carry sampled negatives.
+    """
+    if source.format == "parquet":
+        from psrec.data.parquet_format import ParquetFormat
+
+        return ParquetFormat(files, schema, errors)
+    if source.format in ("csv", "criteo_tsv"):
+        from psrec.data.text_format import DelimitedFormat
+
+        return DelimitedFormat(files, source, schema, errors)
+    if source.format == "libfm":
+        from psrec.data.libfm_format import LibfmFormat
+
+        return LibfmFormat(files, source, schema, errors)
+    from psrec.data.sequences import InteractionsFormat
+
+    return InteractionsFormat(files, schema, errors, seed=seed)
+
+
+@dataclass
+class _Window:
+    """Rows delivered in order; `start`/`end`: stream positions (unit index, offset) around them."""
+
+    index: int
+    table: pa.Table
+    start: tuple[int, int | None]
+    end: tuple[int, int | None]
+    shuffled: bool
+    unit: int = 0  # unshuffled windows come from one unit
+
+    def position_after(self, consumed: int) -> dict[str, Any]:
+        if consumed >= self.table.num_rows:
+            return {"window": self.index + 1, "unit": self.end[0], "after": self.end[1], "consumed": 0}
+        if self.shuffled:
+            return {"window": self.index, "unit": self.start[0], "after": self.start[1], "consumed": consumed}
+        last = int(self.table.column(ROW_ID)[consumed - 1].as_py()) & OFFSET_MASK
+        return {"window": self.index, "unit": self.unit, "after": last, "consumed": 0}
+
+
+def _stream(
+    reader: FormatReader, schema: Schema, units: list[Unit], unit: int, after: int | None
+) -> Iterator[tuple[int, pa.Table]]:
+    """(unit index, prepared table) of the units from `unit` on, starting after offset `after`."""
+    for index in range(unit, len(units)):
+        for table in reader.read(units[index], after if index == unit else None):
+            if table.num_rows:
+                yield index, prepare_table(schema, table)
+
+
+def _last_offset(table: pa.Table) -> int:
+    return int(table.column(ROW_ID)[table.num_rows - 1].as_py()) & OFFSET_MASK
+
+
+def windows(
+    stream: Iterator[tuple[int, pa.Table]],
+    *,
+    start: tuple[int, int | None],
+    first_index: int,
+    shuffle_buffer: int,
+    permutation: Callable[[int, int], np.ndarray],
+) -> Iterator[_Window]:
+    """Group the stream into windows; with `shuffle_buffer` > 0, `permutation(window, n)` orders each."""
+    if shuffle_buffer <= 0:
+        for unit, table in stream:
+            end = (unit, _last_offset(table))
+            yield _Window(first_index, table, start, end, shuffled=False, unit=unit)
+            start = end
+        return
+    index = first_index
+    pending: list[tuple[int, pa.Table]] = []
+    pending_rows = 0
+    exhausted = False
+    while not exhausted or pending_rows:
+        while pending_rows < shuffle_buffer and not exhausted:
+            item = next(stream, None)
+            if item is None:
+                exhausted = True
+            else:
+                pending.append(item)
+                pending_rows += item[1].num_rows
+        if not pending_rows:
+            return
+        taken: list[tuple[int, pa.Table]] = []
+        count = 0
+        while pending and count < shuffle_buffer:
+            unit, table = pending.pop(0)
+            room = shuffle_buffer - count
+            if table.num_rows > room:
+                pending.insert(0, (unit, table.slice(room)))
+                table = table.slice(0, room)
+            taken.append((unit, table))
+            count += table.num_rows
+        pending_rows -= count
+        rows = pa.concat_tables([table for _, table in taken])
+        end = (taken[-1][0], _last_offset(taken[-1][1]))
+        ordered = rows.take(pa.array(permutation(index, rows.num_rows)))
+        yield _Window(index, ordered, start, end, shuffled=True)
+        start = end
+        index += 1
+
+
+def batches(
+    window_iterator: Iterator[_Window], *, batch_size: int, drop_last: bool, skip_first: int = 0
+) -> Iterator[tuple[pa.Table, dict[str, Any]]]:
+    """Cut windows into tables of `batch_size` rows, each with the position after it."""
+    pending: list[pa.Table] = []
+    count = 0
+    position: dict[str, Any] = {}
+    for number, window in enumerate(window_iterator):
+        offset = skip_first if number == 0 else 0
+        while offset < window.table.num_rows:
+            take = min(batch_size - count, window.table.num_rows - offset)
+            pending.append(window.table.slice(offset, take))
+            count += take
+            offset += take
+            position = window.position_after(offset)
+            if count == batch_size:
+                yield pa.concat_tables(pending), position
+                pending, count = [], 0
+    if pending and not drop_last:
+        yield pa.concat_tables(pending), position
+
+
+class _Failure:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+class BatchReader:
+    """Iterable of `Batch`; `position()`, `stats()`, `close()` (also a context manager)."""
+
+    def __init__(
+        self,
+        produce: Callable[[], Iterator[tuple[Batch, dict[str, Any]]]],
+        *,
+        position: dict[str, Any],
+        prefetch: int,
+        errors: BadRows,
+        info: dict[str, Any],
+    ) -> None:
+        self._produce = produce
+        self._position = position
+        self._prefetch = prefetch
+        self._errors = errors
+        self._info = info
+        self._rows = 0
+        self._batches = 0
+        self._started = False
+        self._stop = threading.Event()
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(prefetch, 1))
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._started:
+            raise RuntimeError("a BatchReader is iterated once; reopen it (with position=...) to read again")
+        self._started = True
+        return self._iterate()
+
+    def _deliver(self, batch: Batch, position: dict[str, Any]) -> Batch:
+        self._position = {**self._position, **position}
+        self._rows += batch.batch_size
+        self._batches += 1
+        return batch
+
+    def _iterate(self) -> Iterator[Batch]:
+        if self._prefetch <= 0:
+            for batch, position in self._produce():
+                yield self._deliver(batch, position)
+            return
+        self._thread = threading.Thread(target=self._run, name="psrec-prefetch", daemon=True)
+        self._thread.start()
+        try:
+            while True:
+                item = self._queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield self._deliver(*item)
+        finally:  # the consumer stopped early (or the generator was collected): stop the thread
+            self.close()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            for item in self._produce():
+                if self._stop.is_set() or not self._put(item):
+                    return
+            self._put(_END)
+        except BaseException as error:  # handed to the consumer, raised there
+            self._put(_Failure(error))
+
+    def position(self) -> dict[str, Any]:
+        """JSON-serialisable position after the last batch delivered (pass to `open_reader`)."""
+        return dict(self._position)
+
+    def stats(self) -> dict[str, Any]:
+        """Counts so far and the dataset's shape.
+
+        rows_read (delivered in batches), batches, rows_skipped and skipped_samples (file, location
+        "line N" / "row N", reason, text of the first bad rows skipped), files, units, shard_units,
+        shard_rows (rows of this shard; Parquet only, else None).
+        """
+        return {
+            **self._info,
+            "rows_read": self._rows,
+            "batches": self._batches,
+            "rows_skipped": self._errors.count,
+            "skipped_samples": [sample.as_dict() for sample in self._errors.samples],
+        }
+
+    def close(self) -> None:
+        """Stop the prefetch thread (safe to call twice)."""
+        self._stop.set()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread.join(timeout=0.05)
+            self._thread = None
+
+    def __enter__(self) -> BatchReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_position(position: dict[str, Any], expected: dict[str, Any]) -> None:
+    for key, value in expected.items():
+        if position.get(key) != value:
+            raise ValueError(
+                f"position does not belong to this reader: {key} is {position.get(key)!r} there, "
+                f"{value!r} here (a position resumes the same dataset, shard, seed and shuffle buffer)"
+            )
+
+
+def open_reader(
+    source: DataSource,
+    schema: Schema,
+    *,
+    batch_size: int,
+    base_dir: str | Path = ".",
+    shard: int = 0,
+    num_shards: int = 1,
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    position: dict[str, Any] | None = None,
+    prefetch: int = 2,
+    drop_last: bool = False,
+) -> BatchReader:
+    """Open shard `shard` of `num_shards` of `source` as batches; see the module docstring.
+
+    base_dir: what relative paths of `source` are relative to. shuffle_buffer: rows per shuffle
+    window (0: file order). seed: shuffle (and interaction negatives) seed; pass a new one per epoch,
+    e.g. `base_seed * 1000 + epoch`. position: `BatchReader.position()` of an earlier reader with the
+    same source, shard, num_shards, seed and shuffle_buffer (batch_size may differ). prefetch: batches
+    prepared ahead in a background thread (0: in the caller's thread). drop_last: leave out a final
+    batch smaller than batch_size.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if shuffle_buffer < 0:
+        raise ValueError(f"shuffle_buffer must be >= 0, got {shuffle_buffer}")
+    errors = BadRows(source.on_error)
+    files = expand_paths(source.paths, base_dir)
+    format_reader = make_format_reader(source, schema, files, errors, seed=seed)
+    all_units = format_reader.units()
+    units = shard_units(all_units, shard, num_shards)
+    if shuffle_buffer > 0:
+        order = np.random.default_rng([seed, shard, 1 << 32]).permutation(len(units))
+        units = [units[i] for i in order]
+    identity = {
+        "version": POSITION_VERSION,
+        "format": source.format,
+        "shard": shard,
+        "num_shards": num_shards,
+        "num_units": len(units),
+        "seed": seed,
+        "shuffle_buffer": shuffle_buffer,
+    }
+    start: dict[str, Any] = {"window": 0, "unit": 0, "after": None, "consumed": 0}
+    if position is not None:
+        _check_position(position, identity)
+        start = {key: position[key] for key in start}
+
+    def permutation(window: int, rows: int) -> np.ndarray:
+        return np.random.default_rng([seed, shard, window]).permutation(rows)
+
+    def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
+        stream = _stream(format_reader, schema, units, start["unit"], start["after"])
+        grouped = windows(
+            stream,
+            start=(start["unit"], start["after"]),
+            first_index=start["window"],
+            shuffle_buffer=shuffle_buffer,
+            permutation=permutation,
+        )
+        for table, after in batches(
+            grouped, batch_size=batch_size, drop_last=drop_last, skip_first=start["consumed"]
+        ):
+            yield table_to_batch(schema, table), after
+
+    # Parquet knows its row counts from the footers; text formats would need a pass.
+    shard_rows = sum(u.stop - u.start for u in units) if source.format == "parquet" else None
+    info = {"files": len(files), "units": len(all_units), "shard_units": len(units), "shard_rows": shard_rows}
+    return BatchReader(produce, position={**identity, **start}, prefetch=prefetch, errors=errors, info=info)

@@ -1,0 +1,206 @@
+"""What a dataset looks like: the feature schema and the data source, as validated pydantic models.
+
+Both models are embedded in the run config, so they validate once at the boundary with clear
+messages (`extra="forbid"`: a misspelt key is an error, not a silently ignored option).
+
+Example (YAML, as it appears in a run config)::
+
+    schema:
+      label: label
+      dense: [{name: I1, log1p: true}, {name: I2, log1p: true, clip: [0, 1e6]}]
+      sparse:
+        - {name: C1, table: C1}
+        - {name: item, table: items, namespace: item}
+        - {name: tags, table: tags, multi_valued: true, separator: "|"}
+      sequences:
+        - {name: history, table: items, max_length: 50, namespace: item}
+    source:
+      format: criteo_tsv
+      paths: ["day_*.tsv.gz"]
+      on_error: skip
+
+Transforms of a dense feature apply in this order: missing (empty, null, NaN) -> `fill`; then `clip`
+to [low, high]; then `log1p`, which first clamps negatives to 0 (Criteo's -1 counts become 0, as in
+DLRM's preprocessing).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from psrec.data.hashing import namespace_tag
+
+CRITEO_LABEL = "label"
+CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
+CRITEO_SPARSE = tuple(f"C{i}" for i in range(1, 27))
+CRITEO_COLUMNS = (CRITEO_LABEL, *CRITEO_DENSE, *CRITEO_SPARSE)
+
+DEFAULT_SPLIT_BYTES = 64 * 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DenseFeature(_Strict):
+    """A float feature: missing values are filled, then clipped, then optionally log1p-transformed."""
+
+    name: str = Field(min_length=1)
+    fill: float = 0.0
+    log1p: bool = False
+    clip: tuple[float, float] | None = None
+
+    @field_validator("clip")
+    @classmethod
+    def _clip_ordered(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and value[0] > value[1]:
+            raise ValueError(f"clip low {value[0]} is above clip high {value[1]}")
+        return value
+
+
+class SparseFeature(_Strict):
+    """A categorical feature mapped to embedding table `table`.
+
+    `hashed=True` maps each raw value (text or integer) to a 64-bit id with `hash_values(namespace,
+    ...)`; `hashed=False` passes integer ids through (they must lie in [0, 2**48)). Features that must
+    share ids (a target item and the item history) use the same `namespace`; it defaults to the
+    feature name. A single-valued feature always has one id per row (a missing value hashes like the
+    empty string); a multi-valued one splits its text on `separator` and may have zero ids.
+    """
+
+    name: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    multi_valued: bool = False
+    separator: str = Field(default="|", min_length=1)
+    hashed: bool = True
+    namespace: str | None = None
+
+    @property
+    def id_namespace(self) -> str:
+        return self.namespace or self.name
+
+
+class SequenceFeature(_Strict):
+    """An ordered id list (oldest first), kept to its last `max_length` ids, padded on the left.
+
+    In tabular formats the column holds a list or `separator`-joined text; ids are hashed in
+    `namespace` (default: the feature name) unless `hashed=False`.
+    """
+
+    name: str = Field(min_length=1)
+    table: str = Field(min_length=1)
+    max_length: int = Field(gt=0)
+    namespace: str | None = None
+    hashed: bool = True
+    separator: str = Field(default="|", min_length=1)
+
+    @property
+    def id_namespace(self) -> str:
+        return self.namespace or self.name
+
+
+class Schema(_Strict):
+    """Label column(s) and the features read from each row, in the order batches carry them."""
+
+    label: str | list[str]
+    dense: list[DenseFeature] = []
+    sparse: list[SparseFeature] = []
+    sequences: list[SequenceFeature] = []
+
+    @property
+    def label_names(self) -> list[str]:
+        return [self.label] if isinstance(self.label, str) else list(self.label)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.dense] + [f.name for f in self.sparse] + [f.name for f in self.sequences]
+
+    @model_validator(mode="after")
+    def _check(self) -> Schema:
+        if not self.label_names:
+            raise ValueError("label: at least one label column is required")
+        names = self.label_names + self.feature_names
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"column names used twice (labels and features must be distinct): {duplicates}")
+        # Hashed ids of different namespaces differ in their top bits by construction; two namespaces
+        # sharing a table must therefore have different tags (a 1-in-32767 chance per pair).
+        tags: dict[tuple[str, int], str] = {}
+        features: list[SparseFeature | SequenceFeature] = [*self.sparse, *self.sequences]
+        for feature in features:
+            if not feature.hashed:
+                continue
+            namespace = feature.id_namespace
+            key = (feature.table, namespace_tag(namespace))
+            other = tags.setdefault(key, namespace)
+            if other != namespace:
+                raise ValueError(
+                    f"namespaces {other!r} and {namespace!r} share table {feature.table!r} and the same "
+                    f"15-bit namespace tag {key[1]}; rename one of them"
+                )
+        return self
+
+
+class DataSource(_Strict):
+    """Where rows come from: format, files (paths or globs) and format options.
+
+    Relative paths are resolved against the base directory given to `open_reader`; `.gz` files
+    (detected by their magic bytes) are decompressed on the fly. Options:
+
+    - `delimiter`, `header`, `columns` (csv / criteo_tsv): the column separator (csv ","; criteo_tsv
+      tab), whether the first line names the columns (csv yes; criteo_tsv no), and the column names
+      when there is no header (criteo_tsv: label, I1..I13, C1..C26).
+    - `field_ranges` (libfm, required): field name -> [first, last] feature id (inclusive); each
+      `id:value` token belongs to the field whose range holds its id.
+    - `split_bytes` (text formats): uncompressed text files are cut into byte ranges of this size,
+      the unit of sharding and resume (a gzip file is one unit). Parquet's unit is the row group.
+    - `on_error`: "raise" stops at the first malformed row with file, line and text; "skip" counts
+      it, logs a sample and goes on (see `BatchReader.stats()`).
+    """
+
+    format: Literal["criteo_tsv", "csv", "libfm", "parquet", "interactions"]
+    paths: list[str] = Field(min_length=1)
+    delimiter: str | None = Field(default=None, min_length=1, max_length=1)
+    header: bool | None = None
+    columns: list[str] | None = None
+    field_ranges: dict[str, tuple[int, int]] | None = None
+    split_bytes: int = Field(default=DEFAULT_SPLIT_BYTES, gt=0)
+    on_error: Literal["raise", "skip"] = "raise"
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSource:
+        if self.format == "libfm":
+            if not self.field_ranges:
+                raise ValueError("format 'libfm' needs field_ranges: {field: [first_id, last_id], ...}")
+            ranges = sorted((low, high, name) for name, (low, high) in self.field_ranges.items())
+            for low, high, name in ranges:
+                if low > high or low < 0:
+                    raise ValueError(f"field_ranges.{name}: [{low}, {high}] is not a valid id range")
+            for (_, high, name), (low, _, next_name) in zip(ranges, ranges[1:], strict=False):
+                if low <= high:
+                    raise ValueError(f"field_ranges: {name!r} and {next_name!r} overlap")
+        elif self.field_ranges is not None:
+            raise ValueError(f"field_ranges applies to format 'libfm' only, not {self.format!r}")
+        if self.format not in ("csv", "criteo_tsv") and (
+            self.delimiter is not None or self.header is not None or self.columns is not None
+        ):
+            raise ValueError(f"delimiter/header/columns apply to csv and criteo_tsv, not {self.format!r}")
+        if self.format == "csv" and self.header is False and not self.columns:
+            raise ValueError("csv without a header needs `columns` (the column names in file order)")
+        return self
+
+    @property
+    def text_delimiter(self) -> str:
+        return self.delimiter or ("\t" if self.format == "criteo_tsv" else ",")
+
+    @property
+    def has_header(self) -> bool:
+        return self.header if self.header is not None else self.format == "csv"
+
+    @property
+    def column_names(self) -> list[str] | None:
+        if self.columns is not None:
+            return list(self.columns)
+        return list(CRITEO_COLUMNS) if self.format == "criteo_tsv" else None
