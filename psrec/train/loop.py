@@ -48,6 +48,7 @@ class TrainState:
     epoch_done: bool = False
     stopped: bool = False
     samples: int = 0
+    rows_skipped: int = 0
     best_metric: float | None = None
     best_step: int = -1
     bad_evals: int = 0
@@ -57,18 +58,20 @@ class TrainState:
     consumed: list[tuple[int, np.ndarray]] = field(default_factory=list)
     rows_before_resume: int = 0
 
+    _SAVED = (
+        "epoch",
+        "epoch_done",
+        "stopped",
+        "samples",
+        "rows_skipped",
+        "best_metric",
+        "best_step",
+        "bad_evals",
+        "lr_factor",
+    )
+
     def extra(self) -> dict[str, Any]:
-        keys = (
-            "epoch",
-            "epoch_done",
-            "stopped",
-            "samples",
-            "best_metric",
-            "best_step",
-            "bad_evals",
-            "lr_factor",
-        )
-        return {k: getattr(self, k) for k in keys} | {
+        return {k: getattr(self, k) for k in self._SAVED} | {
             "history": self.history,
             "rows_consumed": self.rows_consumed(),
         }
@@ -78,17 +81,9 @@ class TrainState:
 
     def roll_back(self, step: int, extra: dict[str, Any]) -> None:
         """Return to a checkpoint: forget the work of steps after it."""
-        for key in (
-            "epoch",
-            "epoch_done",
-            "stopped",
-            "samples",
-            "best_metric",
-            "best_step",
-            "bad_evals",
-            "lr_factor",
-        ):
-            setattr(self, key, extra.get(key, getattr(TrainState, key, None)))
+        fresh = TrainState()
+        for key in self._SAVED:
+            setattr(self, key, extra.get(key, getattr(fresh, key)))
         self.step = step
         self.history = list(extra.get("history", []))
         self.consumed = [(end, ids) for end, ids in self.consumed if end <= step]
@@ -296,6 +291,7 @@ class Driver:
         row_ids = []
         for result in results:
             state.samples += result.samples
+            state.rows_skipped += result.rows_skipped
             self.bytes_pulled += result.bytes_pulled
             self.bytes_pushed += result.bytes_pushed
             if result.samples:
@@ -434,6 +430,7 @@ class Driver:
             "bytes_pushed_per_sample": self.bytes_pushed / max(1, state.samples),
             "rows_consumed": state.rows_consumed(),
             "rows_consumed_unique": int(np.unique(np.concatenate(consumed)).size) if consumed else 0,
+            "rows_skipped": state.rows_skipped,
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
             "tables": self.runtime.table_stats(),

@@ -44,6 +44,7 @@ class ChunkResult:
     phase_seconds: dict[str, float]
     bytes_pulled: int
     bytes_pushed: int
+    rows_skipped: int = 0  # malformed rows skipped (on_error: skip) since the previous chunk
 
 
 class TrainerWorker:
@@ -97,6 +98,7 @@ class TrainerWorker:
         self._reader: Any = None
         self._batches: Any = None
         self._snapshots: dict[str, dict[str, Any]] = {}
+        self._skipped_reported = 0
 
     # -- process group -----------------------------------------------------------------------
     def node_address(self) -> str:
@@ -144,6 +146,7 @@ class TrainerWorker:
             position=position,
         )
         self._batches = iter(self._reader)
+        self._skipped_reported = 0
 
     def train_steps(self, max_steps: int) -> ChunkResult:
         if self._batches is None:
@@ -163,6 +166,8 @@ class TrainerWorker:
                 if result.row_ids is not None:
                     row_ids.append(result.row_ids)
         self.step += steps
+        skipped = int(self._reader.stats().get("rows_skipped", 0))
+        skipped_now, self._skipped_reported = skipped - self._skipped_reported, skipped
         return ChunkResult(
             steps=steps,
             samples=samples,
@@ -174,6 +179,7 @@ class TrainerWorker:
             phase_seconds={k: v - before.get(k, 0.0) for k, v in self.runner.timer.seconds.items()},
             bytes_pulled=self.client.bytes_pulled - pulled,
             bytes_pushed=self.client.bytes_pushed - pushed,
+            rows_skipped=skipped_now,
         )
 
     def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
