@@ -205,6 +205,7 @@ class Driver:
         self.checkpoint_seconds: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self.best_snapshot = False
+        self.resumed_from: dict[str, Any] | None = None
 
     # -- the run -------------------------------------------------------------------------------
     def run(self, *, resume: bool) -> dict[str, Any]:
@@ -375,6 +376,7 @@ class Driver:
             return False
         restored = self.runtime.restore(chain)
         self._after_restore(chain, restored)
+        self.resumed_from = {"checkpoint": chain[-1].name, "step": self.state.step}
         logger.info("resumed from %s at step %d", chain[-1].name, self.state.step)
         return True
 
@@ -433,6 +435,7 @@ class Driver:
             "rows_skipped": state.rows_skipped,
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
+            "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
         }
         for split in ("validation", "test"):

@@ -84,3 +84,29 @@ def test_resume_from_disk_equals_uninterrupted(
     assert resumed["steps"] == undisturbed["steps"]
     assert resumed["rows_consumed"] == ROWS
     assert resumed["validation"]["auc"] == pytest.approx(undisturbed["validation"]["auc"], abs=1e-6)
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_refuses_another_config(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    from psrec.train.checkpoint import ConfigMismatchError, list_checkpoints
+
+    settings = {"checkpoint.every_steps": 10, "training.log_every_steps": 5}
+    first = train(small_run_config(synthetic_sources, tmp_path, **settings, **{"training.max_steps": 30}))
+    assert first["steps"] == 30
+    newest = list_checkpoints(tmp_path)[-1]
+    assert newest.step == 30
+    shard_file = newest.path / "shard-0.npz"
+    shard_file.write_bytes(shard_file.read_bytes()[:-100] + b"\0" * 100)  # same size, bad checksum
+    (tmp_path / "summary.json").unlink()
+
+    with pytest.raises(ConfigMismatchError, match="model.top_hidden_sizes"):
+        train(
+            small_run_config(synthetic_sources, tmp_path, **settings, **{"model.top_hidden_sizes": [8]}),
+            resume=True,
+        )
+
+    resumed = train(small_run_config(synthetic_sources, tmp_path, **settings), resume=True)
+    assert resumed["resumed_from"]["step"] == 20  # the corrupt step-30 checkpoint was skipped
+    assert resumed["steps"] == 94
+    assert resumed["rows_consumed"] == ROWS
