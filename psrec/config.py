@@ -89,7 +89,7 @@ class DenseOptimizerConfig(_Strict):
 
 
 class EarlyStoppingConfig(_Strict):
-    metric: Literal["auc", "logloss"] = "auc"
+    metric: Literal["auc", "logloss", "hr@10", "ndcg@10", "mrr"] = "auc"
     patience: int = Field(2, ge=1)
     lr_decay: float = Field(0.1, gt=0, le=1, description="multiply all learning rates on a plateau")
 

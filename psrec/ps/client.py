@@ -221,7 +221,11 @@ class EmbeddingClient:
         weights = {
             name: torch.from_numpy(rows).requires_grad_(requires_grad) for name, rows in pulled.rows.items()
         }
-        pooled = torch.stack([self._pool(weights[f.table], f) for f in plan.pooled], dim=1)  # (B, F, D)
+        if plan.pooled:
+            pooled = torch.stack([self._pool(weights[f.table], f) for f in plan.pooled], dim=1)  # (B, F, D)
+        else:  # sequence-only models (SASRec)
+            dim = next(iter(self.table_dims.values()), 1)
+            pooled = torch.zeros(plan.batch_size, 0, dim)
         linear = None
         if self.linear_terms:
             linear = torch.cat(

@@ -94,4 +94,7 @@ def feature_tables(config: RunConfig) -> dict[str, str]:
 
 
 def sequence_tables(config: RunConfig) -> dict[str, str]:
-    return {f.name: f.table for f in config.schema().sequences}
+    tables = {f.name: f.table for f in config.schema().sequences}
+    if config.model.name == "sasrec" and "seq" in tables:
+        tables.setdefault("candidates", tables["seq"])  # evaluation candidates are items too
+    return tables

@@ -30,7 +30,7 @@ import numpy as np
 
 from psrec.config import RunConfig
 from psrec.train import checkpoint
-from psrec.train.metrics import BinaryMetricAccumulator, auc, logloss
+from psrec.train.metrics import BinaryMetricAccumulator, auc, logloss, ranking_metrics
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.worker import ChunkResult
 
@@ -101,11 +101,15 @@ def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, An
     """Data sources by split, as plain dicts (paths relative to `base_dir` unless absolute)."""
     data = config.data
     if data.synthetic is None:
-        return {
+        sources = {
             split: getattr(data, split).model_dump(mode="json")
             for split in ("train", "validation", "test")
             if getattr(data, split) is not None
         }
+        if sources["train"]["format"] == "interactions":  # leave-one-out: held-out items of the same file
+            sources.setdefault("validation", sources["train"])
+            sources.setdefault("test", sources["train"])
+        return sources
     from psrec.data.synth import write_synthetic_criteo
 
     synthetic = data.synthetic
@@ -306,19 +310,18 @@ class Driver:
     def _evaluate_and_decide(self) -> bool:
         """Evaluate on validation; track the best model; decay learning rates or stop on a plateau."""
         state = self.state
-        metrics: dict[str, Any] = _metrics(*self.runtime.evaluate("validation"))
+        metrics: dict[str, Any] = _metrics(self.runtime.evaluate("validation"))
         metrics.update(step=state.step, epoch=state.epoch)
         state.history.append(metrics)
         _scalars(self.writer, "validation", metrics, state.step)
-        logger.info(
-            "step %d validation auc %.5f logloss %.5f", state.step, metrics["auc"], metrics["logloss"]
-        )
+        shown = " ".join(f"{k} {v:.5f}" for k, v in metrics.items() if isinstance(v, float))
+        logger.info("step %d validation %s", state.step, shown)
         early = self.config.training.early_stopping
         if early is None:
             return False
         value = metrics[early.metric]
         best = state.best_metric
-        if best is None or (value > best if early.metric == "auc" else value < best):
+        if best is None or (value < best if early.metric == "logloss" else value > best):
             state.best_metric, state.best_step, state.bad_evals = value, state.step, 0
             self.runtime.save_snapshot("best")
             self.best_snapshot = True
@@ -440,7 +443,7 @@ class Driver:
         }
         for split in ("validation", "test"):
             if split in self.sources:
-                summary[split] = _metrics(*self.runtime.evaluate(split))
+                summary[split] = _metrics(self.runtime.evaluate(split))
         return summary
 
 
@@ -452,7 +455,10 @@ def _is_actor_failure(error: BaseException) -> bool:
     return isinstance(error, RayError)
 
 
-def _metrics(scores: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+def _metrics(parts: dict[str, np.ndarray]) -> dict[str, float]:
+    if "ranks" in parts:
+        return {**ranking_metrics(parts["ranks"], ks=(1, 5, 10)), "rows": int(parts["ranks"].size)}
+    labels, scores = parts["labels"], parts["scores"]
     return {"auc": auc(labels, scores), "logloss": logloss(labels, scores), "rows": int(labels.size)}
 
 

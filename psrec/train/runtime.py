@@ -27,7 +27,7 @@ class Runtime(Protocol):
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]: ...
 
-    def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]: ...
+    def evaluate(self, split: str) -> dict[str, np.ndarray]: ...
 
     def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None: ...
 
@@ -98,7 +98,7 @@ class LocalRuntime:
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
         return [self.trainer.train_steps(max_steps)]
 
-    def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    def evaluate(self, split: str) -> dict[str, np.ndarray]:
         return self.trainer.evaluate(split)
 
     def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
@@ -295,9 +295,9 @@ class RayRuntime:
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
         return self._all("train_steps", max_steps)
 
-    def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+    def evaluate(self, split: str) -> dict[str, np.ndarray]:
         parts = self._all("evaluate", split)
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
     def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
         self._lr_factor *= factor

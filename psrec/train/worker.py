@@ -99,6 +99,7 @@ class TrainerWorker:
         self._batches: Any = None
         self._snapshots: dict[str, dict[str, Any]] = {}
         self._skipped_reported = 0
+        self._interactions: Any = None
 
     # -- process group -----------------------------------------------------------------------
     def node_address(self) -> str:
@@ -161,8 +162,12 @@ class TrainerWorker:
             if n:
                 samples += n
                 loss_sum += result.loss * n
-                scores.append(result.scores)
-                labels.append(result.labels)
+                if result.scores.ndim == 2:  # ranking models: [positive, negative] logits per sample
+                    scores.append(1 / (1 + np.exp(-result.scores.reshape(-1))))
+                    labels.append(np.tile(np.array([1.0, 0.0], np.float32), n))
+                else:
+                    scores.append(result.scores)
+                    labels.append(result.labels)
                 if result.row_ids is not None:
                     row_ids.append(result.row_ids)
         self.step += steps
@@ -182,9 +187,15 @@ class TrainerWorker:
             rows_skipped=skipped_now,
         )
 
-    def evaluate(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-        """Scores and labels of this trainer's share of `split` (no table changes, no inserts)."""
+    def evaluate(self, split: str) -> dict[str, np.ndarray]:
+        """This trainer's share of `split`, evaluated without changing or growing any table.
+
+        CTR models: {"scores", "labels"}. Ranking models (SASRec): {"ranks"} of each held-out item
+        among its 100 sampled negatives (leave-one-out on the training interactions file).
+        """
         self.runner.flush()
+        if self.config.model.name == "sasrec":
+            return {"ranks": self._evaluate_ranking(split)}
         reader = open_reader(
             self.sources[split],
             self.config.schema(),
@@ -200,7 +211,27 @@ class TrainerWorker:
                 labels.append(batch.labels)
         finally:
             reader.close()
-        return np.concatenate(scores), np.concatenate(labels)
+        return {"scores": np.concatenate(scores), "labels": np.concatenate(labels)}
+
+    def _evaluate_ranking(self, split: str) -> np.ndarray:
+        from psrec.data.sequences import evaluation_batches, load_interactions
+        from psrec.data.units import expand_paths
+        from psrec.train.metrics import sampled_ranks
+
+        if self._interactions is None:
+            self._interactions = load_interactions(expand_paths(self.sources["train"].paths, self.base_dir))
+        max_length = next(f.max_length for f in self.config.schema().sequences if f.name == "seq")
+        batches = evaluation_batches(
+            self._interactions,
+            split="valid" if split == "validation" else "test",
+            max_length=max_length,
+            batch_size=self.config.training.eval_batch_size,
+            seed=self.config.training.seed,
+            shard=self.trainer_index,
+            num_shards=self.world_size,
+        )
+        ranks = [sampled_ranks(self.runner.predict(batch)) for batch in batches]
+        return np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
 
     def set_dense_learning_rate(self, factor: float) -> None:
         for group in self.optimizer.param_groups:
