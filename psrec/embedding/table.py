@@ -1,0 +1,483 @@
+"""EmbeddingTable: a dynamic, collisionless embedding table with a fused sparse optimizer.
+
+A table is a ``HashIndex`` (int64 id -> row) plus, per row: the payload (``RowStorage`` at fp32, fp16
+or int8), the optimizer state (``SparseOptimizer``), an access count (uint32, gradient occurrences,
+saturating) and the step of the last change (uint32). No vocabulary size is given: rows are created
+on training pulls (subject to ``Admission``), removed by ``remove``/``evict``, and their slots reused.
+
+    table = EmbeddingTable("user", 16, optimizer=SparseOptimizerSpec("rowwise_adagrad", lr=0.05))
+    rows = table.pull(np.array([7, -3, 7], dtype=np.int64))           # (3, 16) float32
+    table.push(np.array([7, -3, 7], dtype=np.int64), grads, step=1)   # the two 7s are summed
+
+Initial rows are a function of (seed, id) only (``initializers``), so a sharded run equals a
+single-process run. Delta markers: the table keeps a clock (the largest step pushed so far); each row
+records the clock when it was last inserted or updated, each removal is logged with the clock, and a
+marker is ``generation << 32 | clock`` where ``import_state`` starts a new generation. A delta since a
+marker therefore holds every row changed after it (and possibly a few changed at the same clock just
+before it, which is harmless: rows are written whole). Stale pushes (an async trainer's older step)
+stamp rows with the clock, not their own step, so deltas and TTL never go backwards. Eviction runs
+only when ``evict`` is called (the shard calls it every N steps). Not thread-safe: one caller at a
+time (the numba kernels release the GIL, so other threads run meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from psrec.embedding.admission import Admission
+from psrec.embedding.arrays import grow_rows
+from psrec.embedding.eviction import rows_to_evict
+from psrec.embedding.hash_index import INDEX_GROWTH, INDEX_SLOT_BYTES, MAX_LOAD, ROW_GROWTH, HashIndex
+from psrec.embedding.initializers import initial_rows
+from psrec.embedding.optimizers import STATE_LAYOUT, SparseOptimizer, aggregate_gradients
+from psrec.embedding.precision import RowStorage
+from psrec.embedding.specs import (
+    PRECISIONS,
+    AdmissionSpec,
+    EvictionSpec,
+    InitializerSpec,
+    SparseOptimizerSpec,
+)
+from psrec.embedding.state import TableDelta, TableState
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+MAX_STEP = 2**32 - 1
+PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
+
+
+def planned_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> dict[str, float]:
+    """Bytes one row costs at scale, for capacity planning: payload and optimizer state (exact, per
+    row) and the overhead (index slots + stored id + count + last step) at the best and worst point
+    of the growth cycle, reserved-but-unused capacity included."""
+    payload = {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + 8}[precision]
+    state = sum(
+        (dim if kind == "element" else 1) * np.dtype(dtype).itemsize
+        for _, kind, dtype in STATE_LAYOUT[optimizer]
+    )
+    per_row = 8 + 8  # stored id + [count, last step]
+    return {
+        "payload": float(payload),
+        "optimizer": float(state),
+        "overhead_best": INDEX_SLOT_BYTES / MAX_LOAD + per_row,
+        "overhead_worst": INDEX_SLOT_BYTES * INDEX_GROWTH / MAX_LOAD + per_row * ROW_GROWTH,
+    }
+
+
+class EmbeddingTable:
+    """One embedding table (or one shard's partition of it); see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: SparseOptimizerSpec,
+        initializer: InitializerSpec = InitializerSpec(),  # noqa: B008 - frozen dataclass
+        precision: str = "fp32",
+        stochastic_rounding: bool = False,
+        admission: AdmissionSpec = AdmissionSpec(),  # noqa: B008
+        eviction: EvictionSpec = EvictionSpec(),  # noqa: B008
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"table name must be a non-empty string, got {name!r}")
+        self.name = name
+        if isinstance(dim, bool) or not isinstance(dim, int | np.integer) or dim <= 0:
+            raise ValueError(self._message(f"dim must be an int > 0, got {dim!r}"))
+        for argument, value, kind in (
+            ("optimizer", optimizer, SparseOptimizerSpec),
+            ("initializer", initializer, InitializerSpec),
+            ("admission", admission, AdmissionSpec),
+            ("eviction", eviction, EvictionSpec),
+        ):
+            if not isinstance(value, kind):
+                raise TypeError(
+                    self._message(f"{argument} must be a {kind.__name__}, got {type(value).__name__}")
+                )
+        if precision not in PRECISIONS:
+            raise ValueError(self._message(f"precision must be one of {PRECISIONS}, got {precision!r}"))
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+            raise TypeError(self._message(f"seed must be an int, got {seed!r}"))
+        self.dim = int(dim)
+        self.precision = precision
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self.seed = int(seed)
+        self.initializer = initializer
+        self.eviction = eviction
+        self._index = HashIndex()
+        self._storage = RowStorage(
+            precision, self.dim, stochastic_rounding=self.stochastic_rounding, seed=self.seed
+        )
+        self._optimizer = SparseOptimizer(optimizer, self.dim)
+        self._admission = Admission(admission, self.seed)
+        self._metadata = np.zeros((0, 2), dtype=np.uint32)  # (rows, [count, last step]): one cache line
+        self._clock = 0
+        self._generation = 0
+        self._removal_log: list[tuple[int, np.ndarray]] = []  # (clock at removal, removed ids)
+        self._removals_kept_from = 0
+        self._sync_capacity()
+
+    # ----------------------------------------------------------------------------------- properties
+    @property
+    def num_rows(self) -> int:
+        return self._index.num_rows
+
+    @property
+    def _counts(self) -> np.ndarray:
+        return self._metadata[:, 0]
+
+    @property
+    def _last_step(self) -> np.ndarray:
+        return self._metadata[:, 1]
+
+    @property
+    def optimizer(self) -> SparseOptimizerSpec:
+        return self._optimizer.spec
+
+    @property
+    def admission(self) -> AdmissionSpec:
+        return self._admission.spec
+
+    def _message(self, problem: str) -> str:
+        return f"table {self.name!r}: {problem}"
+
+    # ----------------------------------------------------------------------------------- validation
+    def _check_ids(self, ids: Any, argument: str = "ids") -> np.ndarray:
+        if not isinstance(ids, np.ndarray):
+            raise TypeError(
+                self._message(f"{argument} must be a numpy int64 array, got {type(ids).__name__}")
+            )
+        if ids.dtype != np.int64:
+            raise TypeError(self._message(f"{argument} must have dtype int64, got {ids.dtype}"))
+        if ids.ndim != 1:
+            raise ValueError(self._message(f"{argument} must be 1-D, got shape {ids.shape}"))
+        return np.ascontiguousarray(ids)
+
+    def _check_step(self, step: Any) -> int:
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step <= MAX_STEP:
+            raise ValueError(self._message(f"step must be an int in [0, {MAX_STEP}], got {step!r}"))
+        return int(step)
+
+    # ------------------------------------------------------------------------------------- storage
+    def _sync_capacity(self) -> None:
+        capacity = self._index.row_capacity
+        if self._metadata.shape[0] >= capacity:
+            return
+        self._storage.grow(capacity)
+        self._optimizer.grow(capacity)
+        self._metadata = grow_rows(self._metadata, capacity)
+
+    def _initial_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Initial rows as a stored row would read back (rounded to the storage precision)."""
+        return self._storage.round_trip(initial_rows(ids, self.dim, self.initializer, self.seed), ids)
+
+    def _insert(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids``, inserting and initialising the new ones."""
+        rows, inserted = self._index.insert(ids)
+        self._sync_capacity()
+        if inserted.any():
+            new_rows = rows[inserted]
+            new_ids = ids[inserted]
+            values = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+            self._storage.write(new_rows, values, new_ids, 0, stochastic=False)
+            self._optimizer.reset_rows(new_rows)
+            self._counts[new_rows] = 0
+            self._last_step[new_rows] = self._clock
+        return rows
+
+    # ---------------------------------------------------------------------------------- pull / push
+    def pull(self, ids: np.ndarray, *, train: bool = True) -> np.ndarray:
+        """(len(ids), dim) float32 rows in the order of ``ids``; see the module docstring."""
+        ids = self._check_ids(ids)
+        rows, missing = self._index.lookup(ids)
+        if missing and train:
+            missing_positions = np.flatnonzero(rows < 0)
+            admitted = self._admission.admit(ids[missing_positions])
+            if admitted.any():
+                admitted_positions = missing_positions[admitted]
+                rows[admitted_positions] = self._insert(ids[admitted_positions])
+                missing = int(np.count_nonzero(rows < 0))
+        if not missing:
+            return self._storage.gather(rows)
+        present = rows >= 0
+        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        out[present] = self._storage.gather(rows[present])
+        out[~present] = self._initial_rows(ids[~present])
+        return out
+
+    def push(self, ids: np.ndarray, grads: np.ndarray, *, step: int) -> None:
+        """Sum duplicate ids' gradients and apply one optimizer step to each present row."""
+        ids = self._check_ids(ids)
+        if not isinstance(grads, np.ndarray):
+            raise TypeError(self._message(f"grads must be a numpy float32 array, got {type(grads).__name__}"))
+        if grads.dtype != np.float32:
+            raise TypeError(self._message(f"grads must have dtype float32, got {grads.dtype}"))
+        if grads.shape != (ids.shape[0], self.dim):
+            raise ValueError(
+                self._message(f"grads must have shape {(ids.shape[0], self.dim)}, got {grads.shape}")
+            )
+        step = self._check_step(step)
+        grads = np.ascontiguousarray(grads)
+        rows, _ = self._index.lookup(ids)
+        unique_rows, gradients, gradient_rows, occurrences, finite = aggregate_gradients(rows, grads)
+        if not finite:
+            raise ValueError(self._message("grads contain NaN or Inf"))
+        self._clock = max(self._clock, step)
+        if unique_rows.shape[0] == 0:
+            return
+        record = (self._metadata, occurrences, self._clock)
+        if self.precision == "fp32":
+            self._optimizer.update(
+                self._storage.values, unique_rows, unique_rows, gradients, gradient_rows, *record
+            )
+        else:
+            scratch = self._storage.gather(unique_rows)
+            positions = np.arange(unique_rows.shape[0], dtype=np.int32)
+            self._optimizer.update(scratch, positions, unique_rows, gradients, gradient_rows, *record)
+            self._storage.write(unique_rows, scratch, self._index.keys[unique_rows], step, stochastic=True)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the learning rate (e.g. decay on plateau); FTRL's ``alpha`` is the learning rate."""
+        try:
+            self._optimizer.spec = replace(self._optimizer.spec, lr=lr)
+        except ValueError as error:
+            raise ValueError(self._message(str(error))) from None
+
+    # ------------------------------------------------------------------------------ remove / evict
+    def _remove_present(self, ids: np.ndarray) -> int:
+        freed = self._index.remove(ids)
+        removed_ids = ids[freed >= 0]
+        if removed_ids.shape[0]:
+            self._removal_log.append((self._clock, removed_ids.copy()))
+        return int(removed_ids.shape[0])
+
+    def remove(self, ids: np.ndarray) -> int:
+        """Remove the given ids (absent ones are ignored); returns the number of rows removed."""
+        return self._remove_present(self._check_ids(ids))
+
+    def evict(self, *, step: int) -> int:
+        """Apply the TTL and ``max_rows`` policies now; returns the number of rows removed."""
+        step = self._check_step(step)
+        if self.eviction.ttl_steps is None and (
+            self.eviction.max_rows is None or self.num_rows <= self.eviction.max_rows
+        ):
+            return 0
+        rows = self._index.live_rows(sort=False)
+        victims = rows_to_evict(
+            self.eviction,
+            step=step,
+            rows=rows,
+            ids=self._index.keys[rows],
+            counts=self._counts[rows],
+            last_step=self._last_step[rows],
+        )
+        removed = self._remove_present(self._index.keys[victims])
+        if removed:
+            logger.debug("table %r: evicted %d rows at step %d", self.name, removed, step)
+        return removed
+
+    # ------------------------------------------------------------------------------- state export
+    def config(self) -> dict[str, Any]:
+        """JSON-able description of the table (what an exported state must be compatible with)."""
+        return {
+            "format": STATE_FORMAT,
+            "name": self.name,
+            "dim": self.dim,
+            "precision": self.precision,
+            "stochastic_rounding": self.stochastic_rounding,
+            "seed": self.seed,
+            "optimizer": self.optimizer.as_dict(),
+            "initializer": self.initializer.as_dict(),
+            "admission": self.admission.as_dict(),
+            "eviction": self.eviction.as_dict(),
+            "clock": self._clock,
+            "admission_pull_counter": self._admission.pull_counter,
+        }
+
+    def _export_rows(self, rows: np.ndarray) -> dict[str, Any]:
+        rows = rows[np.argsort(self._index.keys[rows], kind="stable")]  # canonical order: by id
+        payload = self._storage.export(rows)
+        return {
+            "ids": self._index.keys[rows],
+            "rows": payload["rows"],
+            "row_scale": payload["row_scale"],
+            "row_offset": payload["row_offset"],
+            "counts": self._counts[rows],
+            "last_step": self._last_step[rows],
+            "optimizer_state": {name: array[rows] for name, array in self._optimizer.state.items()},
+        }
+
+    def export_state(self) -> TableState:
+        rows = self._index.live_rows(sort=False)
+        sketch = None if self._admission.sketch is None else self._admission.sketch.copy()
+        return TableState(config=self.config(), admission_sketch=sketch, **self._export_rows(rows))
+
+    def _check_compatible(self, config: dict[str, Any], what: str) -> None:
+        mine = self.config()
+        if config.get("format") != STATE_FORMAT:
+            raise ValueError(
+                self._message(f"{what} has format {config.get('format')!r}, expected {STATE_FORMAT}")
+            )
+        for key in ("dim", "precision", "seed", "initializer"):
+            if config.get(key) != mine[key]:
+                raise ValueError(
+                    self._message(f"{what} has {key}={config.get(key)!r}, this table has {mine[key]!r}")
+                )
+        other_optimizer = (config.get("optimizer") or {}).get("name")
+        if other_optimizer != self.optimizer.name:
+            raise ValueError(
+                self._message(
+                    f"{what} has optimizer {other_optimizer!r}, this table has {self.optimizer.name!r}"
+                )
+            )
+
+    def _check_rows(self, record: TableState | TableDelta, what: str) -> None:
+        count = record.ids.shape[0]
+        self._check_ids(record.ids, f"{what} ids")
+        dtype = PAYLOAD_DTYPES[self.precision]
+        expected: list[tuple[str, Any, tuple[int, ...], Any]] = [
+            ("rows", record.rows, (count, self.dim), dtype),
+            ("counts", record.counts, (count,), np.uint32),
+            ("last_step", record.last_step, (count,), np.uint32),
+        ]
+        if self.precision == "int8":
+            expected += [
+                ("row_scale", record.row_scale, (count,), np.float32),
+                ("row_offset", record.row_offset, (count,), np.float32),
+            ]
+        layout = STATE_LAYOUT[self.optimizer.name]
+        if set(record.optimizer_state) != {name for name, _, _ in layout}:
+            raise ValueError(
+                self._message(f"{what} optimizer state {sorted(record.optimizer_state)} does not match")
+            )
+        for name, kind, state_dtype in layout:
+            shape: tuple[int, ...] = (count, self.dim) if kind == "element" else (count,)
+            expected.append((f"optimizer_state/{name}", record.optimizer_state[name], shape, state_dtype))
+        for label, array, shape, array_dtype in expected:
+            if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != array_dtype:
+                found = (array.shape, array.dtype) if isinstance(array, np.ndarray) else type(array).__name__
+                raise ValueError(
+                    self._message(
+                        f"{what} {label} must be {np.dtype(array_dtype)} of shape {shape}, got {found}"
+                    )
+                )
+        if np.unique(record.ids).shape[0] != count:
+            raise ValueError(self._message(f"{what} ids contain duplicates"))
+
+    def _write_rows(self, record: TableState | TableDelta) -> None:
+        rows = self._insert(record.ids) if record.ids.shape[0] else np.zeros(0, dtype=np.int32)
+        self._storage.assign(rows, record.rows, record.row_scale, record.row_offset)
+        for name, array in record.optimizer_state.items():
+            self._optimizer.state[name][rows] = array
+        self._counts[rows] = record.counts
+        self._last_step[rows] = record.last_step
+
+    def import_state(self, state: TableState) -> None:
+        """Replace the contents with ``state``; the table's own hyperparameters are kept except the
+        learning rate, which is taken from the state (it may have been decayed)."""
+        self._check_compatible(state.config, "state")
+        self._check_rows(state, "state")
+        sketch = self._admission.sketch
+        if (
+            sketch is not None
+            and state.admission_sketch is not None
+            and state.admission_sketch.shape != sketch.shape
+        ):
+            raise ValueError(
+                self._message(
+                    f"state admission sketch has shape {state.admission_sketch.shape}, expected {sketch.shape}"
+                )
+            )
+        lr = float(state.config.get("optimizer", {}).get("lr", self.optimizer.lr))
+        self.set_learning_rate(lr)
+        self._index = HashIndex(initial_rows=state.ids.shape[0])
+        self._metadata = np.zeros((0, 2), dtype=np.uint32)
+        self._storage = RowStorage(
+            self.precision, self.dim, stochastic_rounding=self.stochastic_rounding, seed=self.seed
+        )
+        self._optimizer = SparseOptimizer(self._optimizer.spec, self.dim)
+        self._sync_capacity()
+        self._clock = int(state.config.get("clock", 0))
+        self._write_rows(state)
+        if sketch is not None:
+            sketch[:] = 0 if state.admission_sketch is None else state.admission_sketch
+        self._admission.pull_counter = int(state.config.get("admission_pull_counter", 0))
+        self._generation += 1
+        self._removal_log = []
+        self._removals_kept_from = 0
+
+    # ---------------------------------------------------------------------------------------- deltas
+    def delta_marker(self) -> int:
+        """Opaque, monotone marker of "now" for ``export_delta``."""
+        return (self._generation << 32) | self._clock
+
+    def _marker_clock(self, marker: Any) -> int:
+        """The clock part of a marker of this generation whose removal records are still kept."""
+        if not isinstance(marker, int | np.integer) or marker < 0 or (int(marker) >> 32) != self._generation:
+            raise ValueError(
+                self._message(
+                    f"marker {marker!r} is not from the current generation (import_state resets deltas)"
+                )
+            )
+        clock = int(marker) & MAX_STEP
+        if clock < self._removals_kept_from:
+            raise ValueError(
+                self._message(
+                    f"marker {marker!r} is older than the removal records kept (forget_deltas_before was "
+                    f"called with clock {self._removals_kept_from}); take a full export_state instead"
+                )
+            )
+        return clock
+
+    def export_delta(self, since: int) -> TableDelta:
+        """Rows inserted/updated and ids removed since ``since`` (a ``delta_marker`` of this table)."""
+        since_clock = self._marker_clock(since)
+        rows = self._index.live_rows(sort=False)
+        rows = rows[self._last_step[rows] >= since_clock]
+        removed = [ids for clock, ids in self._removal_log if clock >= since_clock]
+        config = self.config() | {"since": int(since), "until": self.delta_marker()}
+        removed_ids = np.concatenate(removed) if removed else np.zeros(0, dtype=np.int64)
+        return TableDelta(config=config, removed_ids=removed_ids, **self._export_rows(rows))
+
+    def forget_deltas_before(self, marker: int) -> None:
+        """Drop the removal records older than ``marker`` to bound their memory (8 bytes per removed
+        id); call it once no consumer will ask for a delta since an older marker (e.g. after a
+        checkpoint is committed). Older markers are refused from then on."""
+        clock = self._marker_clock(marker)
+        self._removal_log = [(when, ids) for when, ids in self._removal_log if when >= clock]
+        self._removals_kept_from = clock
+
+    def apply_delta(self, delta: TableDelta) -> None:
+        """Apply a delta exported by a compatible table: remove, then write rows whole."""
+        self._check_compatible(delta.config, "delta")
+        self._check_rows(delta, "delta")
+        removed_ids = self._check_ids(delta.removed_ids, "delta removed_ids")
+        self._remove_present(removed_ids)
+        if delta.last_step.shape[0]:
+            self._clock = max(self._clock, int(delta.last_step.max()))
+        self._write_rows(delta)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held, including reserved-but-unused capacity."""
+        sizes = {
+            "payload": self._storage.nbytes(),
+            "optimizer": self._optimizer.nbytes(),
+            "index": self._index.nbytes(),
+            "metadata": int(self._metadata.nbytes),
+            "admission": self._admission.nbytes(),
+        }
+        sizes["total"] = sum(sizes.values())
+        return sizes
+
+    def __repr__(self) -> str:
+        return (
+            f"EmbeddingTable({self.name!r}, dim={self.dim}, rows={self.num_rows}, precision={self.precision!r}, "
+            f"optimizer={self.optimizer.name!r})"
+        )

@@ -1,0 +1,290 @@
+"""EmbeddingTable API: pull/push semantics, validation, state and delta export, memory accounting."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from psrec.embedding import (
+    AdmissionSpec,
+    EmbeddingTable,
+    EvictionSpec,
+    InitializerSpec,
+    SparseOptimizerSpec,
+    TableDelta,
+    TableState,
+    planned_bytes_per_row,
+)
+from psrec.embedding.initializers import initial_rows_numpy
+
+INT64_MIN = np.iinfo(np.int64).min
+INT64_MAX = np.iinfo(np.int64).max
+EXTREME_IDS = np.array([INT64_MIN, INT64_MAX, -1, 0, 1, INT64_MIN + 1, INT64_MAX - 1], dtype=np.int64)
+
+
+def make_table(name: str = "items", dim: int = 4, **options) -> EmbeddingTable:
+    options.setdefault("optimizer", SparseOptimizerSpec("rowwise_adagrad", lr=0.1))
+    return EmbeddingTable(name, dim, **options)
+
+
+def snapshot(table: EmbeddingTable) -> dict[str, np.ndarray]:
+    arrays = table.export_state().to_arrays()
+    arrays["config"] = np.array(json.dumps({**table.config(), "marker": table.delta_marker()}))
+    return arrays
+
+
+def assert_same_snapshot(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> None:
+    assert left.keys() == right.keys()
+    for key in left:
+        np.testing.assert_array_equal(left[key], right[key], err_msg=key)
+
+
+def test_pull_inserts_deterministic_initial_rows_for_extreme_ids() -> None:
+    table = make_table()
+    rows = table.pull(EXTREME_IDS)
+    assert rows.dtype == np.float32 and rows.shape == (EXTREME_IDS.size, 4)
+    assert table.num_rows == EXTREME_IDS.size
+    np.testing.assert_allclose(rows, initial_rows_numpy(EXTREME_IDS, 4, InitializerSpec(), 0), atol=1e-6)
+    other = make_table()
+    reversed_rows = other.pull(EXTREME_IDS[::-1].copy())
+    np.testing.assert_array_equal(reversed_rows[::-1], rows)
+
+
+def test_pull_eval_never_inserts() -> None:
+    table = make_table()
+    rows = table.pull(EXTREME_IDS, train=False)
+    assert table.num_rows == 0
+    np.testing.assert_array_equal(rows, make_table().pull(EXTREME_IDS))
+
+
+def test_push_sums_duplicates_and_drops_unknown_ids() -> None:
+    table = make_table(optimizer=SparseOptimizerSpec("sgd", lr=1.0))
+    ids = np.array([5, 5, 9], dtype=np.int64)
+    before = table.pull(ids[:2])
+    grads = np.ones((3, 4), dtype=np.float32)
+    table.push(ids, grads, step=7)
+    after = table.pull(np.array([5, 9], dtype=np.int64), train=False)
+    np.testing.assert_allclose(after[0], before[0] - 2.0, rtol=1e-6)
+    assert table.num_rows == 1
+    state = table.export_state()
+    assert state.counts.tolist() == [2] and state.last_step.tolist() == [7]
+
+
+def test_slots_freed_by_remove_are_reused() -> None:
+    table = make_table()
+    table.pull(np.arange(100, dtype=np.int64))
+    memory = table.memory_bytes()
+    assert table.remove(np.arange(0, 100, 2, dtype=np.int64)) == 50
+    assert table.remove(np.array([0, 12345], dtype=np.int64)) == 0
+    assert table.num_rows == 50
+    table.pull(np.arange(1000, 1050, dtype=np.int64))
+    assert table.num_rows == 100
+    assert table.memory_bytes()["payload"] == memory["payload"]
+    np.testing.assert_array_equal(
+        table.pull(np.arange(1, 100, 2, dtype=np.int64), train=False),
+        make_table().pull(np.arange(1, 100, 2, dtype=np.int64)),
+    )
+
+
+def test_growth_to_many_rows_keeps_every_row() -> None:
+    table = make_table(dim=2, optimizer=SparseOptimizerSpec("sgd"))
+    ids = np.random.default_rng(0).integers(INT64_MIN, INT64_MAX, size=50_000, dtype=np.int64)
+    ids = np.unique(ids)
+    first = table.pull(ids)
+    assert table.num_rows == ids.size
+    np.testing.assert_array_equal(table.pull(ids, train=False), first)
+    memory = table.memory_bytes()
+    assert memory["total"] == sum(value for key, value in memory.items() if key != "total")
+    overhead = (memory["index"] + memory["metadata"]) / ids.size
+    planned = planned_bytes_per_row(2, precision="fp32", optimizer="sgd")
+    assert planned["overhead_best"] - 0.1 <= overhead <= planned["overhead_worst"] + 0.1
+    assert planned["overhead_worst"] <= 24.1
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "fragment"),
+    [
+        (lambda table: table.pull(np.array([1, 2], dtype=np.int32)), TypeError, "dtype int64"),
+        (lambda table: table.pull([1, 2]), TypeError, "numpy int64 array"),
+        (lambda table: table.pull(np.zeros((2, 2), dtype=np.int64)), ValueError, "1-D"),
+        (
+            lambda table: table.push(np.array([1], np.int64), np.zeros((1, 3), np.float32), step=1),
+            ValueError,
+            "shape",
+        ),
+        (
+            lambda table: table.push(np.array([1], np.int64), np.zeros((1, 4), np.float64), step=1),
+            TypeError,
+            "float32",
+        ),
+        (
+            lambda table: table.push(np.array([1], np.int64), np.full((1, 4), np.inf, np.float32), step=1),
+            ValueError,
+            "NaN or Inf",
+        ),
+        (
+            lambda table: table.push(np.array([1], np.int64), np.zeros((1, 4), np.float32), step=-1),
+            ValueError,
+            "step",
+        ),
+        (lambda table: table.set_learning_rate(float("nan")), ValueError, "lr"),
+        (lambda table: table.evict(step=2**40), ValueError, "step"),
+        (lambda table: table.remove(np.array([1.0])), TypeError, "int64"),
+        (lambda table: table.export_delta(1 << 40), ValueError, "marker"),
+    ],
+)
+def test_bad_input_raises_naming_the_table_and_changes_nothing(call, error, fragment) -> None:
+    table = make_table(name="clicks")
+    table.pull(np.array([1, 2], dtype=np.int64))
+    table.push(np.array([1], np.int64), np.ones((1, 4), np.float32), step=1)
+    before = snapshot(table)
+    with pytest.raises(error, match=f"table 'clicks'.*{fragment}"):
+        call(table)
+    assert_same_snapshot(snapshot(table), before)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "fragment"),
+    [
+        ({"dim": 0}, "dim"),
+        ({"precision": "bf16"}, "precision"),
+        ({"optimizer": "adagrad"}, "SparseOptimizerSpec"),
+    ],
+)
+def test_bad_construction_names_the_table(arguments, fragment) -> None:
+    options = {"dim": 4, "optimizer": SparseOptimizerSpec("sgd")} | arguments
+    with pytest.raises((ValueError, TypeError), match=f"table 'bad'.*{fragment}"):
+        EmbeddingTable("bad", options.pop("dim"), **options)
+
+
+@pytest.mark.parametrize(
+    ("factory", "fragment"),
+    [
+        (lambda: SparseOptimizerSpec("lamb"), "optimizer name"),
+        (lambda: InitializerSpec("xavier"), "initializer kind"),
+        (lambda: AdmissionSpec("bloom"), "admission kind"),
+        (lambda: SparseOptimizerSpec("ftrl", weight_decay=0.1), "weight_decay"),
+    ],
+)
+def test_unknown_names_are_rejected_by_the_specs(factory, fragment) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        factory()
+
+
+def _trained_table(**options) -> EmbeddingTable:
+    table = make_table(**options)
+    generator = np.random.default_rng(0)
+    for step in range(1, 4):
+        ids = generator.integers(-20, 20, size=30).astype(np.int64)
+        table.pull(ids)
+        table.push(ids, generator.normal(size=(30, 4)).astype(np.float32), step=step)
+    return table
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam", "ftrl"])
+def test_export_import_round_trip_through_npz(tmp_path, precision, optimizer) -> None:
+    options = {"precision": precision, "optimizer": SparseOptimizerSpec(optimizer, lr=0.1)}
+    table = _trained_table(**options, admission=AdmissionSpec("min_count", min_count=2, sketch_width=256))
+    table.set_learning_rate(0.05)
+    path = tmp_path / "state.npz"
+    np.savez(path, **table.export_state().to_arrays())
+    with np.load(path, allow_pickle=False) as loaded:
+        state = TableState.from_arrays(dict(loaded))
+    restored = make_table(**options, admission=AdmissionSpec("min_count", min_count=2, sketch_width=256))
+    restored.import_state(state)
+    assert restored.optimizer.lr == 0.05
+    ids = np.arange(-25, 25, dtype=np.int64)
+    np.testing.assert_array_equal(restored.pull(ids, train=False), table.pull(ids, train=False))
+    grads = np.ones((ids.size, 4), dtype=np.float32)
+    for each in (table, restored):
+        each.pull(ids)
+        each.push(ids, grads, step=10)
+    np.testing.assert_array_equal(restored.pull(ids, train=False), table.pull(ids, train=False))
+
+
+def test_import_rejects_incompatible_state_and_keeps_contents() -> None:
+    table = _trained_table()
+    state = table.export_state()
+    other = make_table(dim=8)
+    other.pull(np.array([1], dtype=np.int64))
+    before = snapshot(other)
+    with pytest.raises(ValueError, match="table 'items'.*dim=4"):
+        other.import_state(state)
+    with pytest.raises(ValueError, match="optimizer 'rowwise_adagrad'"):
+        make_table(optimizer=SparseOptimizerSpec("adam")).import_state(state)
+    broken = TableState.from_arrays(state.to_arrays())
+    broken.counts = broken.counts[:-1]
+    with pytest.raises(ValueError, match="counts"):
+        other_same = make_table()
+        other_same.import_state(broken)
+    assert_same_snapshot(snapshot(other), before)
+
+
+def test_delta_holds_changed_and_removed_rows_and_replays_onto_a_copy() -> None:
+    table = _trained_table()
+    replica = make_table()
+    replica.import_state(table.export_state())
+    marker = table.delta_marker()
+    ids = np.array([-3, 0, 99, 100], dtype=np.int64)
+    table.pull(ids)
+    table.push(ids, np.full((4, 4), 0.5, np.float32), step=5)
+    table.remove(np.array([-20, -19, 99], dtype=np.int64))
+    delta = table.export_delta(marker)
+    assert set(delta.ids.tolist()) >= {-3, 0, 100}
+    assert 99 not in delta.ids.tolist()
+    assert set(delta.removed_ids.tolist()) <= {-20, -19, 99} and 99 in delta.removed_ids.tolist()
+    assert delta.ids.size < table.num_rows
+    delta = TableDelta.from_arrays(delta.to_arrays())
+    replica.apply_delta(delta)
+    state, replica_state = table.export_state(), replica.export_state()
+    np.testing.assert_array_equal(replica_state.ids, state.ids)
+    np.testing.assert_array_equal(replica_state.rows, state.rows)
+    np.testing.assert_array_equal(
+        replica_state.optimizer_state["accumulator"], state.optimizer_state["accumulator"]
+    )
+    assert table.export_delta(table.delta_marker()).ids.size <= 4
+    assert table.delta_marker() > marker
+
+
+def test_markers_from_before_an_import_are_refused() -> None:
+    table = _trained_table()
+    marker = table.delta_marker()
+    table.import_state(table.export_state())
+    assert table.delta_marker() > marker
+    with pytest.raises(ValueError, match="generation"):
+        table.export_delta(marker)
+
+
+def test_memory_bytes_has_every_component() -> None:
+    table = make_table(admission=AdmissionSpec("min_count", min_count=2, sketch_width=1024, sketch_depth=2))
+    table.pull(np.arange(10, dtype=np.int64))
+    memory = table.memory_bytes()
+    assert set(memory) == {"payload", "optimizer", "index", "metadata", "admission", "total"}
+    assert memory["admission"] == 1024 * 2 * 4
+    assert memory["total"] == sum(value for key, value in memory.items() if key != "total")
+
+
+def test_eviction_spec_is_applied_on_evict() -> None:
+    table = make_table(eviction=EvictionSpec(ttl_steps=5))
+    table.pull(np.arange(4, dtype=np.int64))
+    table.push(np.array([0], np.int64), np.ones((1, 4), np.float32), step=10)
+    assert table.evict(step=12) == 3  # rows 1..3 were inserted at clock 0
+    assert table.evict(step=15) == 0
+    assert table.num_rows == 1
+    assert table.evict(step=16) == 1
+
+
+def test_forgetting_removal_records_refuses_older_markers() -> None:
+    table = _trained_table()
+    old = table.delta_marker()
+    table.remove(np.array([0, 1], dtype=np.int64))
+    table.push(np.array([2], np.int64), np.ones((1, 4), np.float32), step=9)
+    recent = table.delta_marker()
+    table.remove(np.array([3], dtype=np.int64))
+    table.forget_deltas_before(recent)
+    assert table.export_delta(recent).removed_ids.tolist() == [3]
+    with pytest.raises(ValueError, match="older than the removal records kept"):
+        table.export_delta(old)
