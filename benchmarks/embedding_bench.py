@@ -3,15 +3,16 @@
 Measures, in one run on one core (numba kernels are single-threaded; torch is set to 1 thread):
 
 1. lookup and lookup-or-insert throughput on a 10M-row table, batches of 100k Zipf-distributed ids
-   (hash index alone and the full ``pull``), and the same lookups on a dense EmbeddingBag that is
-   handed pre-mapped row numbers (it has no hashing: a fixed vocabulary);
+   (hash index alone, against ``np.searchsorted`` on the sorted ids, and the full ``pull``, against
+   an EmbeddingBag forward that is handed pre-mapped row numbers: no hashing, a fixed vocabulary);
 2. fused row-wise Adagrad and Adam update throughput for dim 16/64/128 (batches of 100k unique ids,
    uniform over a 1M-row table, and Zipf batches with duplicates), against ``torch.optim.Adagrad`` /
    ``torch.optim.SparseAdam`` stepping an EmbeddingBag's sparse gradient;
 3. bytes per row for fp32/fp16/int8 storage: payload, optimizer state and the overhead (hash index +
    stored ids + per-row metadata), including reserved-but-unused capacity.
 
-Run (about 1-2 minutes on 2 vCPU; results go to docs/benchmarks.md):
+Run (about 35 s of CPU, 45-90 s wall on the shared 2-vCPU box, ~4 GB of memory at peak; results
+go to docs/benchmarks.md):
 
     . .venv/bin/activate && python benchmarks/embedding_bench.py
 
@@ -33,11 +34,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from psrec.embedding import EmbeddingTable, HashIndex, SparseOptimizerSpec, planned_bytes_per_row, warmup
+from psrec.embedding import (
+    EmbeddingTable,
+    HashIndex,
+    InitializerSpec,
+    SparseOptimizerSpec,
+    planned_bytes_per_row,
+    warmup,
+)
 
 logger = logging.getLogger("embedding_bench")
 
 ZIPF_EXPONENT = 1.05
+UNIFORM = InitializerSpec("uniform")  # cheaper to draw than normal where initialisation is not measured
 
 
 def zipf_ranks(generator: np.random.Generator, size: int, num_ranks: int) -> np.ndarray:
@@ -99,8 +108,8 @@ def bench_lookups(args: argparse.Namespace, generator: np.random.Generator) -> l
     for offset in range(0, rows, batch):
         table.pull(stored[offset : offset + batch])
     table_build = rows / (time.thread_time() - start)
-    sorted_keys = np.sort(stored)
     sorted_rows = np.argsort(stored)
+    sorted_keys = stored[sorted_rows]
 
     def searchsorted_lookup(ids: np.ndarray) -> np.ndarray:
         positions = np.minimum(np.searchsorted(sorted_keys, ids), rows - 1)
@@ -111,7 +120,7 @@ def bench_lookups(args: argparse.Namespace, generator: np.random.Generator) -> l
     mixed = [keys[zipf_ranks(generator, batch, keys.shape[0])] for _ in range(repeats)]
     new_fraction = float(np.mean([np.mean(index.lookup(ids)[0] < 0) for ids in mixed]))
     baseline = "np.searchsorted on sorted ids"
-    results.append(("build: insert 10M new ids in batches (hash index)", index_build, None, ""))
+    results.append((f"build: insert {rows:,} new ids in batches (hash index)", index_build, None, ""))
     results.append(
         (f"build: pull(train=True) of new ids, dim {dim} (index + row init)", table_build, None, "")
     )
@@ -133,7 +142,7 @@ def bench_lookups(args: argparse.Namespace, generator: np.random.Generator) -> l
         )
     )
     del index
-    bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+    bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, _weight=torch.full((rows, dim), 0.01))
     offsets = torch.arange(batch)
     rank_batches = [torch.from_numpy(zipf_ranks(generator, batch, rows)) for _ in range(repeats)]
     with torch.no_grad():
@@ -176,7 +185,9 @@ def bench_updates(args: argparse.Namespace, generator: np.random.Generator) -> l
             ("rowwise_adagrad", "torch.optim.Adagrad"),
             ("adam", "torch.optim.SparseAdam"),
         ):
-            table = EmbeddingTable("bench", dim, optimizer=SparseOptimizerSpec(name, lr=0.01))
+            table = EmbeddingTable(
+                "bench", dim, optimizer=SparseOptimizerSpec(name, lr=0.01), initializer=UNIFORM
+            )
             for offset in range(0, rows, batch):
                 table.pull(ids[offset : offset + batch])
 
@@ -186,7 +197,8 @@ def bench_updates(args: argparse.Namespace, generator: np.random.Generator) -> l
             ours = median_rate(batch, timed_calls(push, uniform))
             ours_zipf = median_rate(batch, timed_calls(push, zipf))
             del table
-            bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+            weight = torch.full((rows, dim), 0.01)  # filled (not lazily zeroed) like psrec's rows
+            bag = torch.nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, _weight=weight)
             if name == "adam":
                 optimizer: torch.optim.Optimizer = torch.optim.SparseAdam(bag.parameters(), lr=0.01)
             else:
@@ -207,10 +219,12 @@ def bench_updates(args: argparse.Namespace, generator: np.random.Generator) -> l
 
             theirs = median_rate(batch, timed_calls(torch_step, uniform))
             theirs_zipf = median_rate(batch, timed_calls(torch_step, zipf))
-            results.append((f"push {name} dim {dim}: 100k unique ids, uniform", ours, theirs, torch_name))
+            results.append(
+                (f"push {name} dim {dim}: {batch:,} unique ids, uniform", ours, theirs, torch_name)
+            )
             results.append(
                 (
-                    f"push {name} dim {dim}: 100k Zipf ids ({unique_fraction:.0%} unique), ids/s",
+                    f"push {name} dim {dim}: {batch:,} Zipf ids ({unique_fraction:.0%} unique), ids/s",
                     ours_zipf,
                     theirs_zipf,
                     torch_name,
@@ -263,7 +277,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=100_000)
     parser.add_argument("--lookup-dim", type=int, default=16)
     parser.add_argument("--dims", type=int, nargs="+", default=[16, 64, 128])
-    parser.add_argument("--repeats", type=int, default=7, help="timed batches per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed batches per measurement (median)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -272,9 +286,15 @@ def main() -> None:
     began = time.perf_counter()
     logger.info("warmup (numba compile or cache load): %.1fs", warmup())
     generator = np.random.default_rng(args.seed)
+    stage = time.process_time()
     lookups = bench_lookups(args, generator)
+    logger.info("lookups: %.0fs CPU", time.process_time() - stage)
+    stage = time.process_time()
     updates = bench_updates(args, generator)
+    logger.info("updates: %.0fs CPU", time.process_time() - stage)
+    stage = time.process_time()
     memory_lines = bench_memory(args)
+    logger.info("bytes per row: %.0fs CPU", time.process_time() - stage)
     lines = [
         "| operation (ids/s, one core, median of batches) | psrec | baseline | ratio | baseline is |",
         "|---|---|---|---|---|",

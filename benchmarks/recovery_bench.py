@@ -46,7 +46,12 @@ def main() -> None:
             runtime = RayRuntime(config, base_dir=".", data_sources=prepare_data_for(config))
             killed: dict[str, Any] = {}
 
-            def kill(report: dict[str, Any], runtime: RayRuntime = runtime, victim: str = victim) -> None:
+            def kill(
+                report: dict[str, Any],
+                runtime: RayRuntime = runtime,
+                victim: str = victim,
+                killed: dict[str, Any] = killed,
+            ) -> None:
                 if not killed and report["step"] >= args.every * 3 // 2:
                     actor = runtime.trainers[0] if victim == "trainer" else runtime.shards[0]
                     pid = ray.get(actor.pid.remote())

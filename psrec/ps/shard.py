@@ -59,6 +59,7 @@ class ParameterShard:
         self._snapshots: dict[str, dict[str, TableState]] = {}
         self._markers = {name: table.delta_marker() for name, table in tables.items()}
         self._staged_markers: dict[str, int] = {}
+        self.needs_full_checkpoint = False
 
     def pull(self, requests: dict[str, np.ndarray], *, train: bool = True) -> dict[str, np.ndarray]:
         """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted."""
@@ -128,6 +129,10 @@ class ParameterShard:
             raise RuntimeError(
                 f"shard {self.shard_index}: checkpoint requested in the middle of step {self._pending.step}"
             )
+        if kind == "delta" and self.needs_full_checkpoint:
+            raise RuntimeError(
+                f"shard {self.shard_index}: tables were replaced by a snapshot; take a full checkpoint"
+            )
         arrays: dict[str, np.ndarray] = {}
         for name, table in self.tables.items():
             marker = table.delta_marker()
@@ -142,6 +147,7 @@ class ParameterShard:
             self.tables[name].forget_deltas_before(marker)
             self._markers[name] = marker
         self._staged_markers = {}
+        self.needs_full_checkpoint = False
 
     def restore_arrays(self, chain: list[tuple[str, dict[str, np.ndarray]]], *, step: int) -> None:
         """Rebuild every table from a checkpoint chain [("full", arrays), ("delta", arrays), ...].
@@ -177,6 +183,9 @@ class ParameterShard:
     def restore_snapshot(self, tag: str) -> None:
         for name, state in self._snapshots[tag].items():
             self.tables[name].import_state(state)
+        # import_state starts a new delta generation: the next checkpoint must be a full one.
+        self._markers = {name: table.delta_marker() for name, table in self.tables.items()}
+        self.needs_full_checkpoint = True
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every table's (ids, float32 rows), for inspection and tests (checkpoints use export_state)."""

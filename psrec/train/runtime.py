@@ -190,6 +190,11 @@ def _base_lr(config: RunConfig, table: str) -> float:
     return builders.table_specs(config)[table].optimizer.lr
 
 
+def required_cpus(config: RunConfig) -> float:
+    ps = config.ps
+    return ps.num_trainers * ps.trainer_resources.num_cpus + ps.num_shards * ps.shard_resources.num_cpus
+
+
 def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable."""
     import ray
@@ -248,7 +253,19 @@ class RayRuntime:
 
         self.config = config
         self._owns_ray = not ray.is_initialized()
-        start_ray(config.ps.address)
+        import math
+        import os
+
+        # The embedded cluster offers at least the CPUs the config asks for: logical CPUs are only
+        # scheduling tokens, and every process's thread count is set explicitly.
+        start_ray(config.ps.address, num_cpus=max(os.cpu_count() or 1, math.ceil(required_cpus(config))))
+        available = ray.cluster_resources().get("CPU", 0.0)
+        if required_cpus(config) > available:
+            raise ConfigError(
+                f"ps: {config.ps.num_trainers} trainers x {config.ps.trainer_resources.num_cpus} CPU + "
+                f"{config.ps.num_shards} shards x {config.ps.shard_resources.num_cpus} CPU = {required_cpus(config)} "
+                f"CPUs, but the Ray cluster has {available}: lower ps.*_resources.num_cpus or add nodes"
+            )
         self._config_dict = config.model_dump(mode="json", by_alias=True)
         self._base_dir = base_dir
         self._data_sources = data_sources

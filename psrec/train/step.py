@@ -162,8 +162,7 @@ class StepRunner:
                 for handle in self._unacknowledged.popleft():
                     handle.result()
         start = timer.add("push", start)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        allreduce_mean_(grads, self.world_size)
+        allreduce_mean_(self._dense_grads(), self.world_size)
         start = timer.add("allreduce", start)
         if self.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
@@ -174,14 +173,24 @@ class StepRunner:
     def _empty_step(self, step: int) -> StepResult:
         for handle in self.client.submit_empty_push(step=step):
             handle.result()
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = self._dense_grads()
+        for grad in grads:
+            grad.zero_()
         allreduce_mean_(grads, self.world_size)
         self.optimizer.step()
         empty = np.zeros(0, dtype=np.float32)
         return StepResult(step, float("nan"), empty, empty, np.zeros(0, dtype=np.int64))
+
+    def _dense_grads(self) -> list[torch.Tensor]:
+        """Every dense parameter's gradient, zeros where backward gave none, so that all trainers
+        allreduce the same tensors and step the same parameters (their replicas stay identical)."""
+        grads = []
+        for parameter in self.model.parameters():
+            if parameter.requires_grad:
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                grads.append(parameter.grad)
+        return grads
 
     def flush(self) -> None:
         """Wait for every outstanding push (async mode), e.g. before evaluation or a checkpoint."""

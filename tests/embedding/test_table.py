@@ -16,6 +16,7 @@ from psrec.embedding import (
     TableDelta,
     TableState,
     planned_bytes_per_row,
+    warmup,
 )
 from psrec.embedding.initializers import initial_rows_numpy
 
@@ -288,3 +289,7 @@ def test_forgetting_removal_records_refuses_older_markers() -> None:
     assert table.export_delta(recent).removed_ids.tolist() == [3]
     with pytest.raises(ValueError, match="older than the removal records kept"):
         table.export_delta(old)
+
+
+def test_warmup_runs_every_kernel() -> None:
+    assert warmup() >= 0.0

@@ -163,3 +163,24 @@ def test_unreachable_ray_address_fails_fast() -> None:
     assert time.perf_counter() - start < 5
     with pytest.raises(ConfigError, match="HOST:PORT"):
         check_reachable("not-an-address")
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_trainers_with_uneven_shares_consume_every_row_once(
+    ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, mode: str
+) -> None:
+    """13 row groups dealt to 2 trainers (7 + 6): the trainer that runs out keeps stepping emptily."""
+    from psrec.data.synth import write_synthetic_criteo
+
+    root = tmp_path_factory.mktemp("uneven")
+    write_synthetic_criteo(root / "train", rows=13 * 512, seed=3, cardinality_scale=0.002, row_group_rows=512)
+    sources = {"train": {"format": "parquet", "paths": [str(root / "train" / "*.parquet")]}}
+    config = make_config(
+        sources,
+        root / "run",
+        **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.mode": mode, "training.batch_size": 128},
+    )
+    summary = train(config)
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 13 * 512
+    assert summary["steps"] == 28  # the larger share: 7 row groups of 4 batches
