@@ -12,6 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from psrec.bench import commands as bench_commands
     from psrec.data import commands as data_commands
     from psrec.parallel import commands as parallel_commands
     from psrec.train import commands as train_commands
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_commands.register(subparsers)
     data_commands.register(subparsers)
     parallel_commands.register(subparsers)
+    bench_commands.register(subparsers)
     return parser
 
 

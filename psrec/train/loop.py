@@ -224,10 +224,23 @@ class Driver:
                 self._train_until_done()
                 return self._finish()
             except Exception as error:
-                if not _is_actor_failure(error) or restarts >= self.config.fault_tolerance.max_restarts:
+                if not self._caused_by_dead_actor(error):
+                    raise  # a bug or bad data: replaying would fail the same way
+                if restarts >= self.config.fault_tolerance.max_restarts:
+                    logger.error("giving up after %d restarts (fault_tolerance.max_restarts)", restarts)
                     raise
                 restarts += 1
                 self._recover(error)
+
+    def _caused_by_dead_actor(self, error: BaseException) -> bool:
+        """Recover only when a process died; an exception raised inside a live actor is re-raised."""
+        if not _is_actor_failure(error):
+            return False
+        dead_actors = getattr(self.runtime, "dead_actors", None)
+        dead = dead_actors() if dead_actors is not None else []
+        if dead:
+            logger.warning("dead: %s", ", ".join(dead))
+        return bool(dead)
 
     def _train_until_done(self) -> None:
         training = self.config.training

@@ -368,6 +368,12 @@ class RayRuntime:
         self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
         return {"step": data.step, **data.trainers[0], "extra": data.extra}
 
+    def dead_actors(self) -> list[str]:
+        """Names of the actors that no longer answer (a failed call may be a symptom of one of them)."""
+        named = [(f"trainer {i}", a) for i, a in enumerate(self.trainers)]
+        named += [(f"shard {i}", a) for i, a in enumerate(self.shards)]
+        return [name for name, actor in named if not _answers(actor, timeout=5.0)]
+
     def recover(self, chain: list[Any]) -> dict[str, Any] | None:
         """Replace dead actors and roll every shard and trainer back to `chain` (or to a fresh start)."""
         import ray

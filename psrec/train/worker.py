@@ -211,6 +211,8 @@ class TrainerWorker:
                 labels.append(batch.labels)
         finally:
             reader.close()
+        if not scores:  # this trainer's share of a small split may be empty
+            return {"scores": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
         return {"scores": np.concatenate(scores), "labels": np.concatenate(labels)}
 
     def _evaluate_ranking(self, split: str) -> np.ndarray:

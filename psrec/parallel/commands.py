@@ -1,0 +1,106 @@
+"""`psrec plan SPEC`: print where every embedding table goes, the memory per device and the traffic.
+
+    psrec plan examples/plan_criteo_terabyte.yaml                       # 8 x 80 GB: a placement
+    psrec plan examples/plan_criteo_terabyte.yaml --devices 2 --memory-gb 16   # refused, with why
+    psrec plan SPEC --strategy ps --json
+
+Exit status 0 with a plan, 2 when the plan file is invalid or the tables do not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from psrec.parallel.planner import ShardingPlan, TableSize
+
+GB = 10**9
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("plan", help="place embedding tables on devices (sharding planner)")
+    parser.add_argument(
+        "spec", help="plan file: tables with rows, devices, strategy (see examples/plan_*.yaml)"
+    )
+    parser.add_argument("--devices", type=int, help="override devices.count")
+    parser.add_argument("--memory-gb", type=float, help="override devices.memory_gb")
+    parser.add_argument("--strategy", choices=["ps", "collective"], help="override strategy")
+    parser.add_argument("--sharding", choices=["table_wise", "row_wise", "auto"], help="override sharding")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from psrec.parallel.plan_spec import PlanSpecError, load_plan_spec
+    from psrec.parallel.planner import PlanDoesNotFit, plan_sharding
+
+    overrides: dict[str, Any] = {}
+    for key, value in (
+        ("devices.count", args.devices),
+        ("devices.memory_gb", args.memory_gb),
+        ("strategy", args.strategy),
+        ("sharding", args.sharding),
+    ):
+        if value is not None:
+            overrides[key] = value
+    try:
+        spec = load_plan_spec(args.spec, overrides=overrides)
+        inputs = spec.inputs()
+        plan = plan_sharding(**inputs)
+    except (PlanSpecError, ValueError) as error:
+        prefix = "refused" if isinstance(error, PlanDoesNotFit) else "error"
+        print(f"{prefix}: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(asdict(plan), indent=2))
+    else:
+        print(format_plan(plan, inputs["tables"]))
+    return 0
+
+
+def _gb(value: float) -> str:
+    return f"{value / GB:8.2f} GB"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 10**6:10.1f} MB"
+
+
+def format_plan(plan: ShardingPlan, tables: list[TableSize]) -> str:
+    """The plan as a human-readable report."""
+    kind = "PS shard" if plan.strategy == "ps" else "trainer"
+    lines = [
+        f"strategy {plan.strategy}, sharding {plan.sharding}, {plan.num_devices} {kind}s with "
+        f"{plan.usable_bytes / GB:.2f} GB usable each, {plan.num_buckets} virtual buckets",
+        "",
+        f"{'device':>8} {'tables':>11} {'used':>6} {'sent/step':>13} {'received/step':>13}",
+    ]
+    for device, (memory, traffic) in enumerate(zip(plan.memory_bytes, plan.traffic, strict=True)):
+        lines.append(
+            f"{device:>8} {_gb(memory)} {memory / plan.usable_bytes:6.1%} {_mb(traffic.sent_bytes)} "
+            f"{_mb(traffic.received_bytes)}"
+        )
+    if plan.trainer_traffic is not None:
+        t = plan.trainer_traffic
+        lines.append(f"{'trainer':>8} {'':>11} {'':>6} {_mb(t.sent_bytes)} {_mb(t.received_bytes)}")
+    lines += ["", f"{'table':<16} {'rows':>14} {'dim':>5} {'size':>11}  placement"]
+    sizes = {t.name: t for t in tables}
+    for placement in plan.tables:
+        size = sizes[placement.table]
+        where = (
+            f"table-wise on device {placement.owner}"
+            if placement.owner is not None
+            else f"row-wise over {plan.num_devices} devices by bucket"
+        )
+        lines.append(f"{placement.table:<16} {size.rows:>14,} {size.dim:>5} {_gb(size.bytes)}  {where}")
+    total = sum(plan.memory_bytes)
+    lines += [
+        "",
+        f"total {total / GB:.2f} GB of tables; most loaded device {max(plan.memory_bytes) / GB:.2f} GB",
+    ]
+    lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
