@@ -118,6 +118,13 @@ class ResourcesConfig(_Strict):
 
 class PSConfig(_Strict):
     runtime: Literal["ray", "local"] = "ray"
+    strategy: Literal["ps", "collective"] = Field(
+        "ps",
+        description="ps: tables on shard actors; collective: tables sharded across the trainers (all-to-all)",
+    )
+    sharding: Literal["row_wise", "table_wise"] = Field(
+        "row_wise", description="collective: how tables are split"
+    )
     address: str | None = Field(None, description="join this Ray cluster; None starts an embedded one")
     num_trainers: int = Field(1, ge=1)
     num_shards: int = Field(2, ge=1)
@@ -134,6 +141,10 @@ class PSConfig(_Strict):
                 f"num_shards={self.num_shards} is more than num_buckets={self.num_buckets}: "
                 "every shard needs at least one virtual bucket; raise ps.num_buckets or lower ps.num_shards"
             )
+        if self.strategy == "collective" and self.mode != "sync":
+            raise ValueError("strategy 'collective' supports mode 'sync' only")
+        if self.strategy == "collective" and self.runtime == "local":
+            raise ValueError("strategy 'collective' runs on Ray trainers; use runtime 'ray'")
         if self.runtime == "local" and self.num_trainers != 1:
             raise ValueError(
                 "runtime 'local' runs one trainer in-process; use runtime 'ray' for num_trainers > 1"
@@ -240,7 +251,9 @@ class RunConfig(_Strict):
         data.pop("checkpoint")
         data.pop("fault_tolerance")
         data["ps"] = {
-            k: v for k, v in data["ps"].items() if k in ("num_shards", "num_buckets", "num_trainers")
+            k: v
+            for k, v in data["ps"].items()
+            if k in ("num_shards", "num_buckets", "num_trainers", "strategy", "sharding")
         }
         return data
 

@@ -192,7 +192,8 @@ def _base_lr(config: RunConfig, table: str) -> float:
 
 def required_cpus(config: RunConfig) -> float:
     ps = config.ps
-    return ps.num_trainers * ps.trainer_resources.num_cpus + ps.num_shards * ps.shard_resources.num_cpus
+    shards = 0 if ps.strategy == "collective" else ps.num_shards
+    return ps.num_trainers * ps.trainer_resources.num_cpus + shards * ps.shard_resources.num_cpus
 
 
 def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
@@ -274,8 +275,11 @@ class RayRuntime:
         self._trainer_class = ray.remote(TrainerWorker)
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
+        # strategy "collective": no shard actors, every trainer holds a partition of the tables.
+        self.collective = config.ps.strategy == "collective"
         try:
-            self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
+            if not self.collective:
+                self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
             self._start_trainers()
         except BaseException:
             self.shutdown()
@@ -306,6 +310,12 @@ class RayRuntime:
     def _all(self, method: str, *args: Any) -> list[Any]:
         return _get([getattr(t, method).remote(*args) for t in self.trainers])
 
+    def _shard_refs(self, method: str, *args: Any) -> list[Any]:
+        """Call a ParameterShard method on every table partition (shard actors or trainers)."""
+        if self.collective:
+            return [t.shard_call.remote(method, *args) for t in self.trainers]
+        return [s.call.remote(method, *args) for s in self.shards]
+
     def start_epoch(self, epoch: int) -> None:
         self._all("start_epoch", epoch)
 
@@ -323,26 +333,23 @@ class RayRuntime:
         calls = []
         for name in builders.table_specs(self.config):
             lr = _base_lr(self.config, name) * self._lr_factor
-            calls += [s.call.remote("set_learning_rate", lr, [name]) for s in self.shards]
+            calls += self._shard_refs("set_learning_rate", lr, [name])
         _get(calls)
 
     def save_snapshot(self, tag: str) -> None:
-        _get(
-            [t.save_snapshot.remote(tag) for t in self.trainers]
-            + [s.call.remote("save_snapshot", tag) for s in self.shards]
-        )
+        _get([t.save_snapshot.remote(tag) for t in self.trainers] + self._shard_refs("save_snapshot", tag))
 
     def restore_snapshot(self, tag: str) -> None:
         _get(
             [t.restore_snapshot.remote(tag) for t in self.trainers]
-            + [s.call.remote("restore_snapshot", tag) for s in self.shards]
+            + self._shard_refs("restore_snapshot", tag)
         )
 
     def table_stats(self) -> dict[str, dict[str, int]]:
-        return _sum_stats(_get([s.call.remote("stats") for s in self.shards]))
+        return _sum_stats(_get(self._shard_refs("stats")))
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return _merge_rows(_get([s.call.remote("table_rows") for s in self.shards]))
+        return _merge_rows(_get(self._shard_refs("table_rows")))
 
     def dense_states(self) -> list[dict[str, Any]]:
         return self._all("dense_state")
@@ -351,18 +358,24 @@ class RayRuntime:
         states = self._all("checkpoint_state")
         pending = checkpoint.begin_checkpoint(run_dir, step=int(states[0]["step"]), kind=kind)  # type: ignore[arg-type]
         try:
-            records = _get([s.write_checkpoint.remote(pending, kind) for s in self.shards])
+            if self.collective:
+                records = _get([t.shard_write_checkpoint.remote(pending, kind) for t in self.trainers])
+            else:
+                records = _get([s.write_checkpoint.remote(pending, kind) for s in self.shards])
             dense = _get([self.trainers[0].dense_checkpoint.remote()])[0]
             ref = _commit(self.config, pending, dict(enumerate(records)), dense, states, extra, parent)
         except BaseException:
             checkpoint.abort_checkpoint(pending)
             raise
-        _get([s.call.remote("confirm_checkpoint") for s in self.shards])
+        _get(self._shard_refs("confirm_checkpoint"))
         return ref
 
     def restore(self, chain: list[Any]) -> dict[str, Any]:
         data = checkpoint.load_checkpoint(chain[-1], shards=[])
-        _get([s.restore.remote(chain, data.step) for s in self.shards])
+        if self.collective:
+            _get([t.shard_restore.remote(chain, data.step) for t in self.trainers])
+        else:
+            _get([s.restore.remote(chain, data.step) for s in self.shards])
         _get([t.restore.remote(data.dense, data.trainers[i]) for i, t in enumerate(self.trainers)])
         self._lr_factor = 1.0
         self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)

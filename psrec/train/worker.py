@@ -68,31 +68,34 @@ class TrainerWorker:
         self.sources = {
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
-        connections: list[ShardConnection] = [
-            LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
-        ]
         self.model = builders.build_model_for(self.config)
         self.optimizer = builders.build_dense_optimizer(self.config, self.model)
-        self.client = EmbeddingClient(
-            connections,
-            builders.bucket_map(self.config),
-            table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
-            feature_tables=builders.feature_tables(self.config),
-            sequence_tables=builders.sequence_tables(self.config),
-            linear_terms=bool(getattr(self.model, "uses_linear_terms", False)),
-            trainer_index=trainer_index,
-        )
-        training = self.config.training
-        self.runner = StepRunner(
-            self.model,
-            self.optimizer,
-            self.client,
-            world_size=self.world_size,
-            mode=self.config.ps.mode,
-            staleness=self.config.ps.staleness,
-            embedding_l2=training.embedding_l2,
-            grad_clip_norm=training.grad_clip_norm,
-        )
+        # strategy "collective": this trainer holds its own partition of every table; the client
+        # over it needs the process group, so it is built in `init_process_group`.
+        self.collective = self.config.ps.strategy == "collective"
+        self.local_shard: ParameterShard | None = None
+        self._collective_connection: Any = None
+        if self.collective:
+            self.local_shard = ParameterShard(
+                trainer_index, builders.build_tables(self.config), num_trainers=self.world_size, mode="sync"
+            )
+            if self.world_size == 1:
+                self._build_collective_client()
+        else:
+            connections: list[ShardConnection] = [
+                LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
+            ]
+            self._build_runner(
+                EmbeddingClient(
+                    connections,
+                    builders.bucket_map(self.config),
+                    table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
+                    feature_tables=builders.feature_tables(self.config),
+                    sequence_tables=builders.sequence_tables(self.config),
+                    linear_terms=self._linear_terms(),
+                    trainer_index=trainer_index,
+                )
+            )
         self.step = 0
         self.epoch = -1
         self._reader: Any = None
@@ -100,6 +103,64 @@ class TrainerWorker:
         self._snapshots: dict[str, dict[str, Any]] = {}
         self._skipped_reported = 0
         self._interactions: Any = None
+
+    def _linear_terms(self) -> bool:
+        return bool(getattr(self.model, "uses_linear_terms", False))
+
+    def _build_runner(self, client: EmbeddingClient) -> None:
+        training = self.config.training
+        self.client = client
+        self.runner = StepRunner(
+            self.model,
+            self.optimizer,
+            client,
+            world_size=self.world_size,
+            mode=self.config.ps.mode,
+            staleness=self.config.ps.staleness,
+            embedding_l2=training.embedding_l2,
+            grad_clip_norm=training.grad_clip_norm,
+        )
+
+    def _build_collective_client(self) -> None:
+        from psrec.parallel.collective import CollectiveConnection, collective_client
+        from psrec.parallel.placement import Placement
+
+        assert self.local_shard is not None
+        specs = builders.table_specs(self.config)
+        num_buckets = self.config.ps.num_buckets
+        if self.config.ps.sharding == "table_wise":
+            placement = Placement.table_wise(sorted(specs), self.world_size, num_buckets)
+        else:
+            placement = Placement.row_wise(self.world_size, num_buckets)
+        self._collective_connection = CollectiveConnection(
+            self.local_shard, placement, table_dims={name: spec.dim for name, spec in specs.items()}
+        )
+        self._build_runner(
+            collective_client(
+                self._collective_connection,
+                feature_tables=builders.feature_tables(self.config),
+                sequence_tables=builders.sequence_tables(self.config),
+                linear_terms=self._linear_terms(),
+                num_buckets=num_buckets,
+            )
+        )
+
+    # -- the local shard of strategy "collective" ------------------------------------------------
+    def shard_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.local_shard is not None, "shard_call needs strategy 'collective'"
+        return getattr(self.local_shard, method)(*args, **kwargs)
+
+    def shard_write_checkpoint(self, pending: Any, kind: str) -> Any:
+        from psrec.ps.actors import write_shard_checkpoint
+
+        assert self.local_shard is not None
+        return write_shard_checkpoint(self.local_shard, pending, kind)
+
+    def shard_restore(self, chain: list[Any], step: int) -> None:
+        from psrec.ps.actors import restore_shard
+
+        assert self.local_shard is not None
+        restore_shard(self.local_shard, chain, step)
 
     # -- process group -----------------------------------------------------------------------
     def node_address(self) -> str:
@@ -122,6 +183,8 @@ class TrainerWorker:
             "nccl" if torch.cuda.is_available() and self.config.ps.trainer_resources.num_gpus > 0 else "gloo"
         )
         dist.init_process_group(backend, rank=self.trainer_index, world_size=self.world_size)
+        if self.collective:
+            self._build_collective_client()
 
     def shutdown(self) -> None:
         if self._reader is not None:
@@ -205,8 +268,13 @@ class TrainerWorker:
             num_shards=self.world_size,
         )
         scores, labels = [], []
+        batches: Any = reader
+        if self._collective_connection is not None:
+            from psrec.parallel.collective import lockstep_batches
+
+            batches = lockstep_batches(reader, self._collective_connection)
         try:
-            for batch in reader:
+            for batch in batches:
                 scores.append(self.runner.predict(batch))
                 labels.append(batch.labels)
         finally:

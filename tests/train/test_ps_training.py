@@ -184,3 +184,38 @@ def test_two_trainers_with_uneven_shares_consume_every_row_once(
     summary = train(config)
     assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 13 * 512
     assert summary["steps"] == 28  # the larger share: 7 row groups of 4 batches
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+def test_collective_strategy_equals_parameter_server(
+    ray_cluster: None, dataset: dict[str, Any], tmp_path: Path, sharding: str
+) -> None:
+    """strategy: collective (tables sharded across 2 trainers, all-to-all) trains like the PS in sync mode."""
+    from psrec.train.runtime import RayRuntime
+
+    results = {}
+    for strategy in ("ps", "collective"):
+        config = make_config(
+            dataset,
+            tmp_path / strategy,
+            **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.strategy": strategy, "ps.sharding": sharding},
+        )
+        runtime = RayRuntime(config, base_dir=".", data_sources=dataset)
+        try:
+            runtime.start_epoch(0)
+            runtime.train_steps(5)
+            results[strategy] = (
+                runtime.dense_states()[0],
+                runtime.table_rows(),
+                runtime.evaluate("validation"),
+            )
+        finally:
+            runtime.shutdown()
+    (ps_dense, ps_rows, ps_eval), (co_dense, co_rows, co_eval) = results["ps"], results["collective"]
+    for name, value in ps_dense.items():
+        torch.testing.assert_close(co_dense[name], value, rtol=1e-4, atol=1e-5)
+    for table, (ids, values) in ps_rows.items():
+        np.testing.assert_array_equal(co_rows[table][0], ids)
+        np.testing.assert_allclose(co_rows[table][1], values, rtol=1e-4, atol=1e-5)
+    assert co_eval["scores"].size == ps_eval["scores"].size == 6_000
