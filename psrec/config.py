@@ -202,7 +202,7 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
 
-    def schema(self) -> Schema:
+    def feature_schema(self) -> Schema:
         if self.data.data_schema is not None:
             return self.data.data_schema
         from psrec.data.synth import criteo_schema
@@ -210,7 +210,7 @@ class RunConfig(_Strict):
         return criteo_schema()
 
     def table_names(self) -> list[str]:
-        schema = self.schema()
+        schema = self.feature_schema()
         names = [f.table for f in schema.sparse] + [f.table for f in schema.sequences]
         return list(dict.fromkeys(names))
 

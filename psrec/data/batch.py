@@ -131,7 +131,7 @@ def concat_batches(batches: list[Batch]) -> Batch:
     }
     row_ids = None
     if all(b.row_ids is not None for b in batches):
-        row_ids = np.concatenate([b.row_ids for b in batches])  # type: ignore[misc]
+        row_ids = np.concatenate([b.row_ids for b in batches])
     return Batch(
         labels=np.concatenate([b.labels for b in batches]),
         dense=np.concatenate([b.dense for b in batches]),

@@ -3,6 +3,7 @@
     psrec data synth data/synth --rows 1000000 --files 4 --format parquet
     psrec data convert day_0.tsv.gz --format criteo_tsv --out data/criteo
     psrec data convert frappe.train.libfm --format libfm --config frappe.yaml --out data/frappe
+    psrec data interactions-ctr ../shared/data/ml-1m/ml-1m.txt data/ml1m_ctr --max-length 50
 
 `--config` is a YAML file with `schema:` (a `Schema`) and optionally `source:` (`DataSource` options
 such as `delimiter`, `header`, `columns`, `field_ranges`, `on_error`; `format` and `paths` come from
@@ -45,6 +46,18 @@ def register(subparsers: Any) -> None:
     convert.add_argument("--on-error", choices=["raise", "skip"], default=None)
     convert.add_argument("--row-group-rows", type=int, default=65536)
     convert.set_defaults(func=run_convert)
+
+    ctr = data_sub.add_parser(
+        "interactions-ctr",
+        help="frame a 'user item' interaction file as CTR (history, next item vs a sampled negative)",
+    )
+    ctr.add_argument("input", type=Path, help="interaction file: 'user item' lines in time order")
+    ctr.add_argument("output", type=Path, help="output directory (train/, validation/, test/)")
+    ctr.add_argument("--max-length", type=int, default=50, help="history length kept (last items)")
+    ctr.add_argument("--positions-per-user", type=int, default=50, help="training targets per user (last)")
+    ctr.add_argument("--seed", type=int, default=0)
+    ctr.add_argument("--row-group-rows", type=int, default=65536)
+    ctr.set_defaults(func=run_interactions_ctr)
 
 
 def _progress(console: Console) -> Progress:
@@ -130,4 +143,31 @@ def run_convert(args: argparse.Namespace) -> int:
     if summary["rows_skipped"]:
         console.print(f"skipped {summary['rows_skipped']} bad rows, e.g.:")
         console.print(json.dumps(summary["skipped_samples"][:5], indent=2), markup=False)
+    return 0
+
+
+def run_interactions_ctr(args: argparse.Namespace) -> int:
+    from psrec.data.errors import BadRowError
+    from psrec.data.interactions_ctr import write_interactions_ctr
+
+    console = Console(stderr=True)
+    if args.max_length < 1 or args.positions_per_user < 1 or args.row_group_rows < 1:
+        console.print(
+            "[red]error:[/red] --max-length, --positions-per-user and --row-group-rows must be >= 1"
+        )
+        return 2
+    try:
+        counts = write_interactions_ctr(
+            [args.input],
+            args.output,
+            max_length=args.max_length,
+            positions_per_user=args.positions_per_user,
+            seed=args.seed,
+            row_group_rows=args.row_group_rows,
+        )
+    except (BadRowError, OSError, ValueError) as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}")
+        return 1
+    shown = ", ".join(f"{split} {rows}" for split, rows in counts.items())
+    console.print(f"wrote CTR rows to {args.output}: {shown}")
     return 0

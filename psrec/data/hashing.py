@@ -137,7 +137,9 @@ def _hash_arrow(namespace: str, array: pa.Array) -> np.ndarray:
     else:
         raise TypeError(f"cannot hash values of Arrow type {kind}; expected text or integers")
     buffers = array.buffers()
-    offsets = np.frombuffer(buffers[1], dtype=offset_type)[array.offset : array.offset + len(array) + 1]
+    offsets: np.ndarray = np.frombuffer(buffers[1], dtype=offset_type)[
+        array.offset : array.offset + len(array) + 1
+    ]
     data = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.zeros(0, np.uint8)
     return _finish(_hash_strings(data, offsets, _valid_mask(array), seed), namespace)
 

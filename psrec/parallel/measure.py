@@ -227,7 +227,7 @@ def main() -> None:
     args = parser.parse_args()
     results = measure(steps=args.steps, batch=args.batch, rounds=args.rounds)
     for name, result in results.items():
-        memory = result.get("table_bytes", result.get("dense_bytes"))
+        memory = result.get("table_bytes", result.get("dense_bytes")) or []
         kind = "table bytes" if "table_bytes" in result else "dense parameter bytes"
         mb = ", ".join(f"{m / 1e6:.1f}" for m in memory)
         print(f"{name:<52} {result['samples_per_second']:>10,.0f} samples/s   {kind} per process: {mb} MB")

@@ -328,8 +328,11 @@ class PipelineStepper:
         replica_ranks = self.layout.pipeline_ranks(self.layout.replica_of(self.rank))
         signature = [learn_signature(self.model, inp)] if inp is not None else [None]
         dist.broadcast_object_list(signature, src=replica_ranks[0], group=self.pipeline_group)
+        learned = signature[0]
+        if learned is None:
+            raise RuntimeError("pipeline: the first stage did not broadcast the stage signature")
         span = self.spans[self.stage]
-        self.stage_module = StageModule(self.parts, span, len(self.parts), signature[0])
+        self.stage_module = StageModule(self.parts, span, len(self.parts), learned)
         stage = PipelineStage(
             self.stage_module,
             self.stage,

@@ -25,7 +25,7 @@ def set_thread_counts(threads: int) -> None:
     try:
         import numba
 
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     except (ImportError, ValueError):  # pragma: no cover
         pass
 

@@ -132,6 +132,7 @@ class EmbeddingClient:
     def plan(self, batch: Batch) -> LookupPlan:
         per_table: dict[str, list[np.ndarray]] = {}
         pending_features: list[tuple[str, str, int, int, np.ndarray | None, np.ndarray | None]] = []
+        ids: np.ndarray
         sizes: dict[str, int] = {}
         b = batch.batch_size
         for key in batch.sparse.keys:
@@ -144,11 +145,11 @@ class EmbeddingClient:
             sizes[table] = start + ids.size
             pending_features.append((key, table, start, ids.size, offsets, None))
         for key, sequence in batch.sequences.items():
-            table = self.sequence_tables.get(key)
-            if table is None:
+            if key not in self.sequence_tables:
                 raise KeyError(
                     f"sequence {key!r} is not mapped to a table; mapped: {sorted(self.sequence_tables)}"
                 )
+            table = self.sequence_tables[key]
             ids = sequence.ids[sequence.mask].astype(np.int64, copy=False)
             start = sizes.get(table, 0)
             per_table.setdefault(table, []).append(ids)
@@ -159,9 +160,10 @@ class EmbeddingClient:
         for table, parts in per_table.items():
             all_ids = np.concatenate(parts) if len(parts) > 1 else parts[0]
             unique_ids[table], inverses[table] = np.unique(all_ids, return_inverse=True)
-        pooled, sequences = [], []
-        for key, table, start, size, offsets, mask in pending_features:
-            index = _FeatureIndex(key, table, inverses[table][start : start + size], offsets, mask)
+        pooled: list[_FeatureIndex] = []
+        sequences: list[_FeatureIndex] = []
+        for key, table, start, size, bag_offsets, mask in pending_features:
+            index = _FeatureIndex(key, table, inverses[table][start : start + size], bag_offsets, mask)
             (pooled if mask is None else sequences).append(index)
         routed = {table: route(ids, self.bucket_to_shard) for table, ids in unique_ids.items()}
         return LookupPlan(unique_ids, routed, pooled, sequences, b)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from psrec.config import RunConfig, SparseOptimizerConfig, TableConfig
+from psrec.config import InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
 from psrec.embedding import AdmissionSpec, EmbeddingTable, EvictionSpec, InitializerSpec, SparseOptimizerSpec
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
@@ -48,7 +48,7 @@ def table_specs(config: RunConfig) -> dict[str, TableConfig]:
             specs[linear_table_name(name)] = TableConfig(
                 dim=1,
                 optimizer=config.embedding.linear_optimizer or base.optimizer,
-                initializer={"kind": "zeros"},  # type: ignore[arg-type]
+                initializer=InitializerConfig(kind="zeros"),
                 admission=base.admission,
                 eviction=base.eviction,
             )
@@ -69,7 +69,7 @@ def bucket_map(config: RunConfig) -> np.ndarray:
 
 
 def build_model_for(config: RunConfig) -> torch.nn.Module:
-    schema = config.schema()
+    schema = config.feature_schema()
     dims = {config.table_config(t).dim for t in config.table_names()}
     return build_model(
         config.model,
@@ -90,11 +90,11 @@ def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> torch.op
 
 
 def feature_tables(config: RunConfig) -> dict[str, str]:
-    return {f.name: f.table for f in config.schema().sparse}
+    return {f.name: f.table for f in config.feature_schema().sparse}
 
 
 def sequence_tables(config: RunConfig) -> dict[str, str]:
-    tables = {f.name: f.table for f in config.schema().sequences}
+    tables = {f.name: f.table for f in config.feature_schema().sequences}
     if config.model.name == "sasrec" and "seq" in tables:
         tables.setdefault("candidates", tables["seq"])  # evaluation candidates are items too
     return tables

@@ -100,6 +100,7 @@ def synthetic_cache_dir() -> Path:
 def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, Any]]:
     """Data sources by split, as plain dicts (paths relative to `base_dir` unless absolute)."""
     data = config.data
+    sources: dict[str, dict[str, Any]]
     if data.synthetic is None:
         sources = {
             split: getattr(data, split).model_dump(mode="json")
@@ -114,7 +115,7 @@ def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, An
 
     synthetic = data.synthetic
     key = f"criteo-scale{synthetic.cardinality_scale}-seed{synthetic.seed}"
-    sources: dict[str, dict[str, Any]] = {}
+    sources = {}
     for index, (split, rows) in enumerate(
         (("train", synthetic.train_rows), ("validation", synthetic.validation_rows))
     ):
@@ -420,7 +421,12 @@ class Driver:
         self._after_restore(chain, restored)
         seconds = time.perf_counter() - start
         self.recoveries.append(
-            {"failed_at_step": failed_at, "restored_step": self.state.step, "seconds": seconds}
+            {
+                "failed_at_step": failed_at,
+                "restored_step": self.state.step,
+                "seconds": seconds,
+                "at": time.time(),  # wall clock, to measure kill -> training again
+            }
         )
         logger.warning("recovered in %.1f s: continuing from step %d", seconds, self.state.step)
 

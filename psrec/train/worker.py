@@ -200,7 +200,7 @@ class TrainerWorker:
         self.epoch = epoch
         self._reader = open_reader(
             self.sources["train"],
-            self.config.schema(),
+            self.config.feature_schema(),
             batch_size=training.batch_size,
             base_dir=self.base_dir,
             shard=self.trainer_index,
@@ -261,7 +261,7 @@ class TrainerWorker:
             return {"ranks": self._evaluate_ranking(split)}
         reader = open_reader(
             self.sources[split],
-            self.config.schema(),
+            self.config.feature_schema(),
             batch_size=self.config.training.eval_batch_size,
             base_dir=self.base_dir,
             shard=self.trainer_index,
@@ -290,7 +290,7 @@ class TrainerWorker:
 
         if self._interactions is None:
             self._interactions = load_interactions(expand_paths(self.sources["train"].paths, self.base_dir))
-        max_length = next(f.max_length for f in self.config.schema().sequences if f.name == "seq")
+        max_length = next(f.max_length for f in self.config.feature_schema().sequences if f.name == "seq")
         batches = evaluation_batches(
             self._interactions,
             split="valid" if split == "validation" else "test",

@@ -59,7 +59,7 @@ def train_and_score(rank: int, world_size: int, data_dir: str) -> dict[str, Any]
         world_size=world_size,
         embedding_l2=config.training.embedding_l2,
     )
-    schema, batch = config.schema(), config.training.batch_size // world_size
+    schema, batch = config.feature_schema(), config.training.batch_size // world_size
     start, step = time.perf_counter(), 0
     for epoch in range(EPOCHS):
         reader = open_reader(

@@ -54,7 +54,7 @@ def _oracle(config: RunConfig, sources: dict[str, Any], steps: int) -> tuple[dic
     readers = [
         open_reader(
             DataSource.model_validate(sources["train"]),
-            config.schema(),
+            config.feature_schema(),
             batch_size=config.training.batch_size,
             shard=i,
             num_shards=2,

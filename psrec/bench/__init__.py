@@ -1,0 +1,9 @@
+"""`psrec bench`: psrec side by side with plain PyTorch, TorchRec and the dense-only ceiling.
+
+The workload (`workload.Workload`) is the issue's DLRM on synthetic Criteo-shaped data; the systems
+are in `torch_systems` and `psrec_systems`; `harness.run_bench` runs them in interleaved rounds and
+`commands` is the CLI::
+
+    psrec bench --dim 64 --rounds 3
+    psrec bench --systems a,c,e --steps 6 --profile --json out.json
+"""

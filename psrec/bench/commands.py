@@ -1,0 +1,142 @@
+"""`psrec bench`: psrec vs plain PyTorch, TorchRec and the dense-only ceiling, in one invocation.
+
+    psrec bench --dim 64 --rounds 3                        # the issue's table (a b c d e)
+    psrec bench --systems a,c --steps 6 --profile          # psrec's per-phase breakdown
+    psrec bench --systems psrec-ray-1x1,d,psrec-ray-2x2    # the layouts of docs/scaling.md
+    psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
+
+Systems: a pytorch, b torchrec, c psrec, d psrec-ray, e ceiling + ceiling-bf16; extras:
+psrec-ray-1x1, psrec-ray-2x2, psrec-ray-t1, psrec-ray-passive, psrec-t1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from psrec.bench.harness import DEFAULT_SYSTEMS, SYSTEMS
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmark psrec against plain PyTorch, TorchRec and the dense-only ceiling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--dim", type=int, choices=(64, 16), default=64, help="embedding dim")
+    parser.add_argument("--rows", type=int, default=200_000, help="synthetic training rows generated")
+    parser.add_argument("--validation-rows", type=int, default=50_000, help="held-out rows for the AUC")
+    parser.add_argument("--cardinality-scale", type=float, default=0.05, help="x Criteo Kaggle cardinalities")
+    parser.add_argument("--batch-size", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
+    parser.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated: letters a-e or names ({', '.join(SYSTEMS)})",
+    )
+    parser.add_argument("--json", help="write the full report (every run) here")
+    parser.add_argument("--profile", action="store_true", help="print psrec's per-phase step breakdown")
+    parser.add_argument("--plot", help="write the throughput figure here (needs matplotlib)")
+    parser.add_argument("--plot-add", nargs="*", default=[], help="earlier --json reports to plot alongside")
+    parser.add_argument("--no-isolate", action="store_true", help="run systems in this process (debugging)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from psrec.bench.harness import run_bench
+    from psrec.bench.workload import Workload
+
+    workload = Workload(
+        dim=args.dim,
+        batch_size=args.batch_size,
+        train_rows=args.rows,
+        validation_rows=args.validation_rows,
+        cardinality_scale=args.cardinality_scale,
+        warmup_steps=args.warmup,
+        steps=args.steps,
+        threads=args.threads,
+    )
+
+    def progress(round_index: int, result: dict[str, Any]) -> None:
+        if "samples_per_second" in result:
+            shown = f"{result['samples_per_second']:9.0f} samples/s"
+        else:
+            shown = result.get("skipped") or result.get("error", "?")
+        print(f"round {round_index} {result['system']:18s} {shown}", flush=True)
+
+    report = run_bench(
+        workload, args.systems, rounds=args.rounds, isolate=not args.no_isolate, progress=progress
+    )
+    print()
+    print(format_table(report))
+    if args.profile:
+        print()
+        print(format_profile(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=float))
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        from psrec.bench.plot import plot_throughput
+
+        reports = [report] + [json.loads(Path(p).read_text()) for p in args.plot_add]
+        print(f"wrote {plot_throughput(reports, args.plot)}")
+    return 0
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    workload, machine = report["workload"], report["machine"]
+    lines = [
+        f"DLRM dim {workload['dim']}, batch {workload['batch_size']}, {workload['threads']} threads, "
+        f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
+        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
+        "wall: median samples/s and within-round ratios; cpu: samples per CPU-second (all threads and "
+        "processes) and its ratios; best: fastest step (psrec: 2-step chunk) of all rounds",
+        f"{'system':18s} {'samples/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'x psrec':>7s} "
+        f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'best':>7s} "
+        f"{'peak RSS':>8s} {'val AUC':>7s}  status",
+    ]
+    for row in report["rows"]:
+        rss = row["peak_rss_bytes"]
+        lines.append(
+            f"{row['system']:18s} {_number(row['samples_per_second'], '9.0f')} "
+            f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row['fraction_of_ceiling'], '7.2f')} "
+            f"{_number(row['ratio_to_psrec'], '7.2f')} "
+            f"{_number(row.get('samples_per_cpu_second'), '9.0f')} "
+            f"{_number(row.get('cpu_ratio_to_pytorch'), '9.2f')} "
+            f"{_number(row.get('cpu_fraction_of_ceiling'), '7.2f')} "
+            f"{_number(row.get('best_step_samples_per_second'), '7.0f')} "
+            f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')}  "
+            f"{row['status']}"
+        )
+    return "\n".join(lines)
+
+
+PHASES = ("plan", "pull", "forward", "backward", "push", "allreduce", "optimizer", "other", "total")
+
+
+def format_profile(report: dict[str, Any]) -> str:
+    """psrec's milliseconds per step by phase (last round), and bytes on the wire per sample."""
+    rows = [row for row in report["rows"] if "profile" in row]
+    if not rows:
+        return "no psrec system ran: nothing to profile"
+    lines = [
+        "psrec per-step phases, ms (last round; 'other' = reader wait + driver; forward includes pooling)",
+        f"{'system':18s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
+    ]
+    for row in rows:
+        profile = row["profile"]
+        cells = " ".join(f"{profile.get(p, 0.0):9.1f}" for p in PHASES)
+        lines.append(
+            f"{row['system']:18s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f}"
+        )
+    return "\n".join(lines)

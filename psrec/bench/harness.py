@@ -1,0 +1,302 @@
+"""Runs the `psrec bench` systems side by side: interleaved rounds, one fresh process per run, medians.
+
+Every (round, system) pair runs in its own Python process (`python -m psrec.bench.harness`), so
+peak RSS is that system's own, thread settings start clean and one system's allocator or OpenMP pool
+cannot slow the next. Rounds are interleaved (a b c d e, a b c d e, ...) so that load from other
+jobs on the machine hits every system alike; ratios are taken within a round, then the median of the
+rounds is reported. `isolate=False` runs everything in this process instead (tests).
+
+    from psrec.bench.harness import run_bench
+    from psrec.bench.workload import Workload
+    report = run_bench(Workload(dim=64), ["pytorch", "psrec", "ceiling"], rounds=3)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from psrec.bench import psrec_systems, torch_systems
+from psrec.bench.workload import Workload, prepare_sources
+
+logger = logging.getLogger(__name__)
+
+BASELINE = "pytorch"
+CEILING = "ceiling"
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    label: str
+    run: Callable[[Workload, dict[str, Any]], dict[str, Any]]
+
+
+_SYSTEMS = [
+    System("pytorch", "(a) plain PyTorch (EmbeddingBag + Adagrad)", torch_systems.run_pytorch),
+    System("torchrec", "(b) TorchRec fused EBC, row-wise Adagrad", torch_systems.run_torchrec),
+    System(
+        "psrec", "(c) psrec in-process (2 local shards)", partial(psrec_systems.run_psrec, runtime="local")
+    ),
+    System(
+        "psrec-ray", "(d) psrec Ray 1 trainer + 2 shards", partial(psrec_systems.run_psrec, runtime="ray")
+    ),
+    System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
+    System("ceiling-bf16", "(e) dense-only ceiling bf16", partial(torch_systems.run_ceiling, bf16=True)),
+    # Extra layouts and settings (scaling model, thread experiments); not in the default set.
+    System(
+        "psrec-ray-1x1",
+        "psrec Ray 1 trainer + 1 shard",
+        partial(psrec_systems.run_psrec, runtime="ray", num_shards=1),
+    ),
+    System(
+        "psrec-ray-2x2",
+        "psrec Ray 2 trainers + 2 shards",
+        partial(psrec_systems.run_psrec, runtime="ray", num_trainers=2, trainer_threads=1),
+    ),
+    System(
+        "psrec-ray-t1",
+        "psrec Ray 1x2, trainer 1 thread",
+        partial(psrec_systems.run_psrec, runtime="ray", trainer_threads=1),
+    ),
+    System(
+        "psrec-ray-passive",
+        "psrec Ray 1x2, OMP_WAIT_POLICY=PASSIVE",
+        partial(psrec_systems.run_psrec, runtime="ray", omp_passive=True),
+    ),
+    System(
+        "psrec-t1",
+        "psrec in-process, 1 thread",
+        partial(psrec_systems.run_psrec, runtime="local", trainer_threads=1),
+    ),
+]
+SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}
+ALIASES: dict[str, list[str]] = {
+    "a": ["pytorch"],
+    "b": ["torchrec"],
+    "c": ["psrec"],
+    "d": ["psrec-ray"],
+    "e": ["ceiling", "ceiling-bf16"],
+}
+DEFAULT_SYSTEMS = ["pytorch", "torchrec", "psrec", "psrec-ray", "ceiling", "ceiling-bf16"]
+
+
+def resolve_systems(spec: str | list[str]) -> list[str]:
+    """'a,b,psrec-ray-2x2' -> system names in the given order (letters a-e expand as in the issue)."""
+    names: list[str] = []
+    parts = spec.split(",") if isinstance(spec, str) else spec
+    for part in (p.strip() for p in parts):
+        if not part:
+            continue
+        expanded = ALIASES.get(part, [part])
+        for name in expanded:
+            if name not in SYSTEMS:
+                raise ValueError(f"unknown system {name!r}; known: {', '.join(SYSTEMS)} (or the letters a-e)")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError("no system to run")
+    return names
+
+
+def run_system(name: str, workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
+    """Run one system in this process; errors become {"error": ...} so that one bad system does not end the bench."""
+    if workload.cache_dir is not None:
+        os.environ["PSREC_CACHE"] = workload.cache_dir
+    started = time.perf_counter()
+    try:
+        result = SYSTEMS[name].run(workload, sources)
+    except Exception as error:  # noqa: BLE001 - reported in the table, the bench goes on
+        logger.exception("system %s failed", name)
+        result = {"error": f"{type(error).__name__}: {error}".splitlines()[0][:300]}
+    result["system"] = name
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
+
+
+def _run_isolated(name: str, workload: Workload, sources: dict[str, Any], timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="psrec-bench-run-") as tmp:
+        request = Path(tmp) / "request.json"
+        answer = Path(tmp) / "result.json"
+        request.write_text(json.dumps({"system": name, "workload": workload.to_dict(), "sources": sources}))
+        command = [sys.executable, "-m", "psrec.bench.harness", str(request), str(answer)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"system": name, "error": f"timed out after {timeout:.0f} s"}
+        if done.returncode != 0 or not answer.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            return {"system": name, "error": f"exit {done.returncode}: {' | '.join(tail)}"[:500]}
+        return json.loads(answer.read_text())
+
+
+def run_bench(
+    workload: Workload,
+    systems: list[str],
+    *,
+    rounds: int = 3,
+    isolate: bool = True,
+    timeout: float = 600.0,
+    progress: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Interleaved rounds of every system; returns {"workload", "machine", "runs", "rows"} (see `summarize`)."""
+    workload.check()
+    requested = resolve_systems(systems)
+    systems = list(requested)
+    sources = prepare_sources(workload)
+    runs: list[dict[str, Any]] = []
+    for round_index in range(rounds):
+        for name in systems:
+            if isolate:
+                result = _run_isolated(name, workload, sources, timeout)
+            else:
+                result = run_system(name, workload, sources)
+            result["round"] = round_index
+            runs.append(result)
+            if progress is not None:
+                progress(round_index, result)
+            if "skipped" in result:  # the same reason holds every round
+                systems = [s for s in systems if s != name]
+                runs.extend({**result, "round": r} for r in range(round_index + 1, rounds))
+    return {
+        "workload": workload.to_dict(),
+        "machine": machine_description(),
+        "rounds": rounds,
+        "runs": runs,
+        "rows": summarize(runs, requested),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, Any]]:
+    """One row per system: median samples/s, median within-round ratios to the baseline and ceiling.
+
+    Alongside, the same per CPU-second (CPU time of every thread and process of the system, so a
+    system using 2 cores for a step counts twice) and the best step rate over all rounds: on a
+    machine shared with other jobs those two move much less than wall-clock medians.
+    """
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        by_round.setdefault(run.get("round", 0), {})[run["system"]] = run
+
+    def rate(run: dict[str, Any] | None, key: str = "samples_per_second") -> float | None:
+        return None if run is None or key not in run else float(run[key])
+
+    def ratios(name: str, target: str, key: str) -> list[float]:
+        out = []
+        for per_system in by_round.values():
+            value, reference = rate(per_system.get(name), key), rate(per_system.get(target), key)
+            if value is not None and reference:
+                out.append(value / reference)
+        return out
+
+    rows = []
+    for name in systems:
+        mine = [r for r in runs if r["system"] == name]
+        rates = [v for v in (rate(r) for r in mine) if v is not None]
+        cpu_rates = [v for v in (rate(r, "samples_per_cpu_second") for r in mine) if v is not None]
+        best = [v for v in (rate(r, "best_step_samples_per_second") for r in mine) if v is not None]
+        aucs = [r["auc"] for r in mine if r.get("auc") is not None]
+        last = next((r for r in reversed(mine) if "samples_per_second" in r), None)
+        row: dict[str, Any] = {
+            "system": name,
+            "label": SYSTEMS[name].label,
+            "samples_per_second": _median(rates),
+            "samples_per_second_all": rates,
+            "ratio_to_pytorch": _median(ratios(name, BASELINE, "samples_per_second")),
+            "fraction_of_ceiling": _median(ratios(name, CEILING, "samples_per_second")),
+            "ratio_to_psrec": _median(ratios(name, "psrec", "samples_per_second")),
+            # Load-robust companions: samples per CPU-second, and the best step (chunk) seen.
+            "samples_per_cpu_second": _median(cpu_rates),
+            "cpu_ratio_to_pytorch": _median(ratios(name, BASELINE, "samples_per_cpu_second")),
+            "cpu_fraction_of_ceiling": _median(ratios(name, CEILING, "samples_per_cpu_second")),
+            "best_step_samples_per_second": max(best) if best else None,
+            "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in mine), default=0) or None,
+            "auc": _median(aucs),
+            "status": _status(mine),
+        }
+        if last is not None and "phase_seconds" in last:
+            row["profile"] = step_profile(last)
+            for key in ("bytes_pulled_per_sample", "bytes_pushed_per_sample", "num_trainers", "num_shards"):
+                row[key] = last[key]
+        rows.append(row)
+    return rows
+
+
+def _status(runs: list[dict[str, Any]]) -> str:
+    for run in runs:
+        if "skipped" in run:
+            return f"skipped: {run['skipped']}"
+    errors = [run["error"] for run in runs if "error" in run]
+    if errors:
+        return f"{len(errors)}/{len(runs)} runs failed: {errors[0]}"
+    return "ok"
+
+
+def step_profile(run: dict[str, Any]) -> dict[str, float]:
+    """psrec's per-phase milliseconds per step (all steps, warm-up included) plus the untimed rest.
+
+    "other" is the driver's training time not in any phase: waiting for the reader, the per-chunk
+    report, Python between phases.
+    """
+    steps = max(1, int(run["steps"]))
+    profile = {phase: 1000 * seconds / steps for phase, seconds in run["phase_seconds"].items()}
+    profile["other"] = max(0.0, 1000 * run["train_seconds"] / steps - sum(profile.values()))
+    profile["total"] = 1000 * run["train_seconds"] / steps
+    return profile
+
+
+def machine_description() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    cpu = "unknown"
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu == "unknown":
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+                flags = [f for f in line.split(":", 1)[1].split() if f in wanted]
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cores": os.cpu_count(),
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "load_average": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _child_main(request_path: str, answer_path: str) -> int:
+    """Entry point of one isolated run: read the request, run the system, write its result."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    request = json.loads(Path(request_path).read_text())
+    workload = Workload(**request["workload"])
+    result = run_system(request["system"], workload, request["sources"])
+    Path(answer_path).write_text(json.dumps(result, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1], sys.argv[2]))

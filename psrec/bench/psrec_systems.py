@@ -1,0 +1,241 @@
+"""The psrec systems of `psrec bench`: (c) in-process and (d) on Ray, both through `train()`.
+
+The run config is built in code (`bench_config`) from the `Workload`: DLRM 13-512-256-D / 512-256-1,
+row-wise Adagrad tables, Adam for the MLPs, batch 4096, checkpoints off. Steps run in chunks of
+`warmup_steps` (the driver's `log_every_steps`); the progress report after each chunk gives the
+driver's cumulative training seconds, so the rate of the chunks after the first one is the timed rate.
+psrec reads and hashes its batches inside that time (the reader's prefetch thread), which the
+PyTorch-only systems do not.
+
+Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits on 2 cores) and
+measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from psrec.bench.workload import (
+    BOTTOM_HIDDEN_SIZES,
+    TOP_HIDDEN_SIZES,
+    Workload,
+    peak_rss_bytes,
+    process_cpu_seconds,
+    process_peak_rss,
+    set_threads,
+    synthetic_config,
+)
+
+logger = logging.getLogger(__name__)
+
+ACTOR_NAMES = ("ray::ShardActor", "ray::TrainerWorker")
+
+
+def bench_config(
+    workload: Workload,
+    run_dir: str,
+    *,
+    runtime: str,
+    num_trainers: int = 1,
+    num_shards: int = 2,
+    trainer_threads: int | None = None,
+    shard_threads: int = 1,
+) -> dict[str, Any]:
+    """The psrec run config (a plain dict for `parse_config`) of this workload."""
+    chunk = max(1, workload.warmup_steps)
+    timed_chunks = -(-workload.steps // chunk)
+    trainer_threads = trainer_threads or workload.threads
+    return {
+        "run_dir": run_dir,
+        "data": {"synthetic": synthetic_config(workload)},
+        "model": {
+            "name": "dlrm",
+            "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
+            "top_hidden_sizes": list(TOP_HIDDEN_SIZES),
+        },
+        "embedding": {
+            "default": {
+                "dim": workload.dim,
+                "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
+                "initializer": {"kind": "uniform", "scale": workload.init_scale},
+            }
+        },
+        "training": {
+            "batch_size": workload.batch_size,
+            "max_steps": chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps,
+            "log_every_steps": chunk,
+            "dense_optimizer": {"name": "adam", "lr": workload.dense_lr},
+            "seed": workload.seed,
+        },
+        "ps": {
+            "runtime": runtime,
+            "num_trainers": num_trainers,
+            "num_shards": num_shards,
+            "mode": "sync",
+            "trainer_resources": {"num_cpus": 1, "threads": trainer_threads},
+            "shard_resources": {"num_cpus": 0.5, "threads": shard_threads},
+        },
+        "checkpoint": {"enabled": False},
+    }
+
+
+def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, float]:
+    """Rate of the chunks after the first (warm-up) one, from cumulative progress reports.
+
+    Each report carries the driver's cumulative samples and samples/s (hence training seconds) and
+    the CPU seconds used so far by this process and the psrec actors (`cpu`, added by the bench).
+    """
+    points = [(r["samples"], r["samples"] / max(r["samples_per_second"], 1e-12), r["cpu"]) for r in reports]
+    first = points[0] if has_warmup and len(points) > 1 else (0, 0.0, points[0][2])
+    samples, seconds, cpu = (points[-1][i] - first[i] for i in range(3))
+    chunk_rates = [
+        (b[0] - a[0]) / max(b[1] - a[1], 1e-12) for a, b in zip(points, points[1:], strict=False)
+    ] or [samples / max(seconds, 1e-12)]
+    return {
+        "samples_per_second": samples / max(seconds, 1e-12),
+        "samples_per_cpu_second": samples / max(cpu, 1e-9),
+        "best_step_samples_per_second": max(chunk_rates),
+        "timed_seconds": seconds,
+        "timed_samples": samples,
+    }
+
+
+def _actor_pids() -> list[int]:
+    """psrec actor processes started under this process (other jobs' Ray clusters are not counted)."""
+    parents: dict[int, int] = {}
+    titles: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            titles[int(entry.name)] = (
+                (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            )
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    me = os.getpid()
+
+    def mine(pid: int) -> bool:
+        for _ in range(16):
+            pid = parents.get(pid, 0)
+            if pid == me:
+                return True
+            if pid <= 1:
+                return False
+        return False
+
+    return [pid for pid, title in titles.items() if title.startswith(ACTOR_NAMES) and mine(pid)]
+
+
+class _ActorRssPoller:
+    """Polls the peak RSS (VmHWM) of this machine's psrec Ray actors while a run goes on."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self.peaks: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="bench-rss")
+
+    def __enter__(self) -> _ActorRssPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        for pid in _actor_pids():
+            self.peaks[pid] = max(self.peaks.get(pid, 0), process_peak_rss(pid))
+
+
+def run_psrec(
+    workload: Workload,
+    sources: dict[str, Any],
+    *,
+    runtime: str = "local",
+    num_trainers: int = 1,
+    num_shards: int = 2,
+    trainer_threads: int | None = None,
+    shard_threads: int = 1,
+    omp_passive: bool = False,
+) -> dict[str, Any]:
+    """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
+    from psrec.config import parse_config
+    from psrec.train.loop import train
+
+    del sources  # train() prepares (finds the cached) data from the config itself
+    set_threads(trainer_threads or workload.threads)
+    reports: list[dict[str, Any]] = []
+
+    def progress(report: dict[str, Any]) -> None:
+        actors = sum(process_cpu_seconds(pid) for pid in _actor_pids()) if runtime == "ray" else 0.0
+        reports.append({**report, "cpu": time.process_time() + actors})
+
+    with tempfile.TemporaryDirectory(prefix="psrec-bench-") as tmp:
+        config = parse_config(
+            bench_config(
+                workload,
+                str(Path(tmp) / "run"),
+                runtime=runtime,
+                num_trainers=num_trainers,
+                num_shards=num_shards,
+                trainer_threads=trainer_threads,
+                shard_threads=shard_threads,
+            ),
+            source="<bench>",
+        )
+        if runtime == "ray":
+            import ray
+
+            owns_ray = not ray.is_initialized()  # tests bring their own cluster
+            if owns_ray:
+                env = {"OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else {}
+                ray.init(
+                    address="local",
+                    num_cpus=4,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    _node_ip_address="127.0.0.1",
+                    runtime_env={"env_vars": env} if env else None,
+                )
+            started = time.perf_counter()
+            try:
+                with _ActorRssPoller() as poller:
+                    summary = train(config, progress=progress, resume=False)
+                    poller.poll()
+            finally:
+                if owns_ray:
+                    ray.shutdown()
+            actors_rss = sum(poller.peaks.values())
+            logger.debug("ray run took %.1f s", time.perf_counter() - started)
+        else:
+            summary = train(config, progress=progress, resume=False)
+            actors_rss = 0
+    result: dict[str, Any] = _timed_rate(reports, workload.warmup_steps > 0)
+    result.update(
+        auc=summary.get("validation", {}).get("auc"),
+        peak_rss_bytes=peak_rss_bytes() + actors_rss,
+        steps=summary["steps"],
+        samples=summary["samples"],
+        train_seconds=summary["train_seconds"],
+        phase_seconds=summary["phase_seconds"],
+        bytes_pulled_per_sample=summary["bytes_pulled_per_sample"],
+        bytes_pushed_per_sample=summary["bytes_pushed_per_sample"],
+        num_trainers=num_trainers,
+        num_shards=num_shards,
+    )
+    return result
