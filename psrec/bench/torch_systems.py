@@ -77,9 +77,10 @@ class PlainEmbeddings(nn.Module):
     def __init__(self, sizes: list[int], dim: int, init_scale: float) -> None:
         super().__init__()
         self.sizes = sizes
-        self.bags = nn.ModuleList(nn.EmbeddingBag(size, dim, mode="sum", sparse=True) for size in sizes)
-        for bag in self.bags:
+        bags = [nn.EmbeddingBag(size, dim, mode="sum", sparse=True) for size in sizes]
+        for bag in bags:
             nn.init.uniform_(bag.weight, -init_scale, init_scale)
+        self.bags = nn.ModuleList(bags)
 
     def forward(self, batch: TensorBatch) -> torch.Tensor:
         pooled = [

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from psrec.data.synth import CRITEO_CARDINALITIES
+from psrec.models.dlrm import DLRM
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -150,8 +151,7 @@ def load_batches(
     return out
 
 
-def build_dlrm(workload: Workload) -> torch.nn.Module:
-    from psrec.models.dlrm import DLRM
+def build_dlrm(workload: Workload) -> DLRM:
 
     return DLRM(
         NUM_DENSE,
@@ -163,15 +163,10 @@ def build_dlrm(workload: Workload) -> torch.nn.Module:
 
 
 def set_threads(threads: int) -> None:
-    """Pin torch (and numba) intra-op threads: the systems share 2 cores with everything else."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    try:
-        import numba
+    """Pin torch/numba/OpenMP threads as psrec's trainers do: the systems share 2 cores with other jobs."""
+    from psrec.ps.actors import set_thread_counts
 
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    except (ImportError, ValueError):  # pragma: no cover
-        pass
+    set_thread_counts(threads)
 
 
 def peak_rss_bytes() -> int:

@@ -30,6 +30,10 @@ class BadRowError(ValueError):
         shown = f": {text[:MAX_TEXT]!r}" if text else ""
         super().__init__(f"{path}, {location}: {reason}{shown}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str, str]]:
+        # Pickles with its own arguments, so it crosses process boundaries (Ray actors) intact.
+        return type(self), (self.path, self.location, self.reason, self.text)
+
 
 @dataclass(frozen=True)
 class SkippedRow:

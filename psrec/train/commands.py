@@ -57,6 +57,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from psrec.config import ConfigError, load_config
+    from psrec.data.errors import BadRowError
     from psrec.train.checkpoint import CheckpointError
 
     try:
@@ -75,6 +76,16 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        cause = getattr(error, "cause", error)  # unwrap an error raised inside a Ray actor
+        if not isinstance(cause, BadRowError):
+            raise
+        print(
+            f"error: bad input row: {cause}\n(fix the row, or set on_error: skip on that data source to "
+            "count, log and skip malformed rows; checkpoints written so far are kept)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("interrupted: workers shut down", file=sys.stderr)
         return 130

@@ -1,0 +1,90 @@
+"""`psrec bench` harness: every system runs two tiny steps and returns sane numbers (no timing asserts).
+
+Run: `python -m pytest tests/bench -q` (about 30 s; one embedded Ray cluster for the Ray system).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from psrec.bench import commands
+from psrec.bench.harness import DEFAULT_SYSTEMS, resolve_systems, run_bench, step_profile, summarize
+from psrec.bench.workload import Workload
+
+
+def tiny_workload(cache: Path) -> Workload:
+    return Workload(
+        dim=16,
+        batch_size=256,
+        train_rows=2048,
+        validation_rows=1024,
+        cardinality_scale=0.001,
+        warmup_steps=1,
+        steps=2,
+        threads=1,
+        cache_dir=str(cache),
+    )
+
+
+def test_resolve_systems_expands_letters_and_rejects_unknown() -> None:
+    assert resolve_systems("a,c,e") == ["pytorch", "psrec", "ceiling", "ceiling-bf16"]
+    assert resolve_systems("a,pytorch") == ["pytorch"]
+    with pytest.raises(ValueError, match="unknown system"):
+        resolve_systems("a,nope")
+
+
+def test_summarize_takes_ratios_within_rounds() -> None:
+    runs = [
+        {"system": "pytorch", "round": 0, "samples_per_second": 100.0},
+        {"system": "psrec", "round": 0, "samples_per_second": 200.0},
+        {"system": "ceiling", "round": 0, "samples_per_second": 400.0},
+        {"system": "pytorch", "round": 1, "samples_per_second": 10.0},  # a noisy round
+        {"system": "psrec", "round": 1, "samples_per_second": 30.0},
+        {"system": "ceiling", "round": 1, "error": "boom"},
+    ]
+    rows = {row["system"]: row for row in summarize(runs, ["pytorch", "psrec", "ceiling"])}
+    assert rows["psrec"]["ratio_to_pytorch"] == pytest.approx(2.5)  # median of 2.0 and 3.0
+    assert rows["psrec"]["fraction_of_ceiling"] == pytest.approx(0.5)
+    assert rows["ceiling"]["status"].startswith("1/2 runs failed")
+
+
+def test_step_profile_accounts_for_the_whole_step() -> None:
+    run = {"steps": 4, "train_seconds": 2.0, "phase_seconds": {"pull": 0.4, "forward": 1.0}}
+    profile = step_profile(run)
+    assert profile["pull"] == pytest.approx(100.0)
+    assert profile["other"] == pytest.approx(150.0)
+    assert profile["total"] == pytest.approx(500.0)
+
+
+@pytest.mark.ray
+def test_every_system_runs_and_reports_sane_numbers(tmp_path: Path, ray_cluster: None) -> None:
+    workload = tiny_workload(tmp_path / "cache")
+    report = run_bench(workload, DEFAULT_SYSTEMS, rounds=1, isolate=False)
+    rows = {row["system"]: row for row in report["rows"]}
+    assert set(rows) == set(DEFAULT_SYSTEMS)
+    for name, row in rows.items():
+        if name == "torchrec" and row["status"].startswith("skipped"):
+            continue  # optional extra not installed: the bench says why
+        assert row["status"] == "ok", (name, row["status"])
+        assert row["samples_per_second"] > 0 and math.isfinite(row["samples_per_second"])
+        assert row["peak_rss_bytes"] > 0
+        if not name.startswith("ceiling"):
+            assert 0.0 <= row["auc"] <= 1.0
+    assert rows["pytorch"]["ratio_to_pytorch"] == pytest.approx(1.0)
+    for name in ("psrec", "psrec-ray"):
+        profile = rows[name]["profile"]
+        assert {"pull", "forward", "backward", "push", "optimizer"} <= set(profile)
+        assert profile["total"] >= profile["forward"] > 0
+        assert rows[name]["bytes_pulled_per_sample"] > 0 and rows[name]["bytes_pushed_per_sample"] > 0
+    table = commands.format_table(report)
+    assert "psrec-ray" in table and "x pytorch" in table
+    assert "forward" in commands.format_profile(report)
+
+
+def test_isolated_run_reports_from_its_own_process(tmp_path: Path) -> None:
+    report = run_bench(tiny_workload(tmp_path / "cache"), ["pytorch"], rounds=1, isolate=True)
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["samples_per_second"] > 0
