@@ -28,7 +28,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" / "quickstart.yaml"))
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--rounds", type=int, default=2)
@@ -37,7 +39,13 @@ def main() -> None:
 
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):
@@ -53,12 +61,16 @@ def main() -> None:
                 )
                 summary = train(config, resume=False)
                 results[name].append(summary)
-                print(f"round {round_index} {name}: {summary['samples_per_second']:.0f} samples/s", flush=True)
+                print(
+                    f"round {round_index} {name}: {summary['samples_per_second']:.0f} samples/s", flush=True
+                )
     ray.shutdown()
 
     base = statistics.median(s["samples_per_second"] for s in results[next(iter(CONFIGS))])
     rows = []
-    print(f"\n{'configuration':45s} {'samples/s':>10s} {'ratio':>6s} {'pull B/s':>9s} {'push B/s':>9s} {'val AUC':>8s}")
+    print(
+        f"\n{'configuration':45s} {'samples/s':>10s} {'ratio':>6s} {'pull B/s':>9s} {'push B/s':>9s} {'val AUC':>8s}"
+    )
     for name, summaries in results.items():
         rate = statistics.median(s["samples_per_second"] for s in summaries)
         row = {

@@ -23,7 +23,9 @@ from psrec.train.runtime import RayRuntime, prepare_data_for
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" / "quickstart.yaml"))
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--every", type=int, default=40)
@@ -31,7 +33,13 @@ def main() -> None:
 
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for victim in ("trainer", "shard"):
             config = load_config(
