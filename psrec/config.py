@@ -16,6 +16,7 @@ A minimal config (see `examples/quickstart.yaml` for a full one)::
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -265,8 +266,9 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the field and what to do."""
 
 
-def _format_validation_error(path: str, error: ValidationError) -> str:
-    lines = [f"{path}: invalid config"]
+def format_validation_error(source: str, error: ValidationError, *, what: str = "config") -> str:
+    """One line per invalid field: its dotted path and what is wrong."""
+    lines = [f"{source}: invalid {what}"]
     for item in error.errors():
         location = ".".join(str(part) for part in item["loc"]) or "(top level)"
         lines.append(f"  {location}: {item['msg']}")
@@ -277,17 +279,22 @@ def parse_config(
     data: dict[str, Any], *, source: str = "<config>", overrides: dict[str, Any] | None = None
 ) -> RunConfig:
     """Validate a config dict; `overrides` maps dotted paths to values (e.g. {"ps.runtime": "local"})."""
-    data = json.loads(json.dumps(data))  # deep copy, plain types
+    try:
+        return RunConfig.model_validate(apply_overrides(data, overrides))
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(source, error)) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """A deep copy of `data` with each dotted path of `overrides` set (missing parents created)."""
+    data = copy.deepcopy(data)
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, last = dotted.split(".")
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = value
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(_format_validation_error(source, error)) from None
+    return data
 
 
 def load_config(path: str | Path, *, overrides: dict[str, Any] | None = None) -> RunConfig:

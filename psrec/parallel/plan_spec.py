@@ -19,13 +19,13 @@ turns it into the planner's plain arguments.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from psrec.config import apply_overrides, format_validation_error
 from psrec.parallel.planner import GB, Devices, TableSize, Workload
 
 
@@ -120,21 +120,10 @@ def parse_plan_spec(
     """Validate a plan dict; `overrides` maps dotted paths to values (e.g. {"devices.count": 2})."""
     if not isinstance(data, dict):
         raise PlanSpecError(f"{source}: the plan file must be a mapping at the top level")
-    data = copy.deepcopy(data)
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, last = dotted.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
     try:
-        return PlanSpec.model_validate(data)
+        return PlanSpec.model_validate(apply_overrides(data, overrides))
     except ValidationError as error:
-        lines = [f"{source}: invalid plan file"]
-        for item in error.errors():
-            location = ".".join(str(part) for part in item["loc"]) or "(top level)"
-            lines.append(f"  {location}: {item['msg']}")
-        raise PlanSpecError("\n".join(lines)) from None
+        raise PlanSpecError(format_validation_error(source, error, what="plan file")) from None
 
 
 def load_plan_spec(path: str | Path, *, overrides: dict[str, Any] | None = None) -> PlanSpec:
