@@ -4,6 +4,7 @@
     psrec bench --systems a,c --steps 6 --profile          # psrec's per-phase breakdown
     psrec bench --systems psrec-ray-1x1,d,psrec-ray-2x2    # the layouts of docs/scaling.md
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
+    psrec bench --report out.json --profile                # print a saved report again
 
 Systems: a pytorch, b torchrec, c psrec, d psrec-ray, e ceiling + ceiling-bf16; extras:
 psrec-ray-1x1, psrec-ray-2x2, psrec-ray-t1, psrec-ray-passive, psrec-t1.
@@ -45,6 +46,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--plot", help="write the throughput figure here (needs matplotlib)")
     parser.add_argument("--plot-add", nargs="*", default=[], help="earlier --json reports to plot alongside")
     parser.add_argument("--no-isolate", action="store_true", help="run systems in this process (debugging)")
+    parser.add_argument("--report", help="do not run: print (and --plot) a saved --json report")
     parser.set_defaults(func=run)
 
 
@@ -70,15 +72,18 @@ def run(args: argparse.Namespace) -> int:
             shown = result.get("skipped") or result.get("error", "?")
         print(f"round {round_index} {result['system']:18s} {shown}", flush=True)
 
-    report = run_bench(
-        workload, args.systems, rounds=args.rounds, isolate=not args.no_isolate, progress=progress
-    )
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+    else:
+        report = run_bench(
+            workload, args.systems, rounds=args.rounds, isolate=not args.no_isolate, progress=progress
+        )
     print()
     print(format_table(report))
     if args.profile:
         print()
         print(format_profile(report))
-    if args.json:
+    if args.json and not args.report:
         Path(args.json).write_text(json.dumps(report, indent=2, default=float))
         print(f"\nwrote {args.json}")
     if args.plot:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -217,5 +217,3 @@ def _any_across_trainers(flag: bool) -> bool:
 def _is_linear(table: str) -> bool:
     return table.endswith(linear_table_name(""))
 
-
-ScoreFn = Callable[[Batch], np.ndarray]

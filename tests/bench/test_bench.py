@@ -20,7 +20,7 @@ def tiny_workload(cache: Path) -> Workload:
         dim=16,
         batch_size=256,
         train_rows=2048,
-        validation_rows=1024,
+        validation_rows=512,
         cardinality_scale=0.001,
         warmup_steps=1,
         steps=2,
@@ -70,6 +70,7 @@ def test_every_system_runs_and_reports_sane_numbers(tmp_path: Path, ray_cluster:
             continue  # optional extra not installed: the bench says why
         assert row["status"] == "ok", (name, row["status"])
         assert row["samples_per_second"] > 0 and math.isfinite(row["samples_per_second"])
+        assert row["samples_per_cpu_second"] > 0 and row["best_step_samples_per_second"] > 0
         assert row["peak_rss_bytes"] > 0
         if not name.startswith("ceiling"):
             assert 0.0 <= row["auc"] <= 1.0
