@@ -29,6 +29,9 @@ def register(subparsers: Any) -> None:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its newest valid checkpoint (an interrupted run_dir resumes by itself)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="print where a step's time went (per phase, trainer 0's view)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     parser.set_defaults(func=run)
 
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     hidden = ("history", "tables", "phase_seconds", "checkpoints")
     shown = {k: v for k, v in summary.items() if k not in hidden}
     print(json.dumps(shown, indent=2, default=float))
+    if args.profile:
+        print(format_profile(summary))
     print(f"summary written to {config.run_dir}/summary.json")
     return 0
 
@@ -128,3 +133,15 @@ def _train_with_bar(config: Any, data_dir: str, resume: bool | None) -> dict[str
             bar.update(task, completed=report["step"], status=status)
 
         return train(config, base_dir=data_dir, progress=update, resume=resume)
+
+
+def format_profile(summary: dict[str, Any]) -> str:
+    """A table of the per-phase time of the training steps (averaged over trainers)."""
+    phases = summary.get("phase_seconds", {})
+    total = sum(phases.values()) or 1.0
+    steps = max(1, int(summary.get("steps", 1)))
+    lines = [f"{'phase':<12}{'seconds':>10}{'ms/step':>10}{'share':>8}"]
+    for phase, seconds in sorted(phases.items(), key=lambda item: -item[1]):
+        lines.append(f"{phase:<12}{seconds:>10.2f}{1000 * seconds / steps:>10.2f}{seconds / total:>8.1%}")
+    lines.append(f"{'total':<12}{total:>10.2f}{1000 * total / steps:>10.2f}")
+    return "\n".join(lines)

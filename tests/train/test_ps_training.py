@@ -219,3 +219,13 @@ def test_collective_strategy_equals_parameter_server(
         np.testing.assert_array_equal(co_rows[table][0], ids)
         np.testing.assert_allclose(co_rows[table][1], values, rtol=1e-4, atol=1e-5)
     assert co_eval["scores"].size == ps_eval["scores"].size == 6_000
+
+
+def test_profile_table_lists_phases_by_share() -> None:
+    from psrec.train.commands import format_profile
+
+    text = format_profile({"steps": 10, "phase_seconds": {"forward": 1.0, "backward": 3.0}})
+    lines = text.splitlines()
+    assert lines[1].startswith("backward") and "75.0%" in lines[1]
+    assert lines[2].startswith("forward") and "100.00" in lines[2]  # 1 s over 10 steps = 100 ms/step
+    assert lines[-1].startswith("total")
