@@ -17,6 +17,7 @@ in-process runtime) and Ray actors (`psrec.ps.actors.RayConnection`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,6 +78,7 @@ class _FeatureIndex:
     inverse: np.ndarray  # positions into the table's unique ids
     offsets: np.ndarray | None  # (B,) bag starts for pooled features; None for sequences
     mask: np.ndarray | None  # (B, L) for sequences
+    single_valued: bool = False  # a pooled feature with exactly one id per sample
 
 
 @dataclass(frozen=True)
@@ -163,7 +165,15 @@ class EmbeddingClient:
         pooled: list[_FeatureIndex] = []
         sequences: list[_FeatureIndex] = []
         for key, table, start, size, bag_offsets, mask in pending_features:
-            index = _FeatureIndex(key, table, inverses[table][start : start + size], bag_offsets, mask)
+            single = (
+                mask is None
+                and size == b
+                and bag_offsets is not None
+                and bool((np.diff(bag_offsets) == 1).all())
+            )
+            index = _FeatureIndex(
+                key, table, inverses[table][start : start + size], bag_offsets, mask, single
+            )
             (pooled if mask is None else sequences).append(index)
         routed = {table: route(ids, self.bucket_to_shard) for table, ids in unique_ids.items()}
         return LookupPlan(unique_ids, routed, pooled, sequences, b)
@@ -224,15 +234,15 @@ class EmbeddingClient:
             name: torch.from_numpy(rows).requires_grad_(requires_grad) for name, rows in pulled.rows.items()
         }
         if plan.pooled:
-            pooled = torch.stack([self._pool(weights[f.table], f) for f in plan.pooled], dim=1)  # (B, F, D)
+            pooled = self._pool(weights, plan.pooled, plan.batch_size, lambda table: table)  # (B, F, D)
         else:  # sequence-only models (SASRec)
             dim = next(iter(self.table_dims.values()), 1)
             pooled = torch.zeros(plan.batch_size, 0, dim)
         linear = None
         if self.linear_terms:
-            linear = torch.cat(
-                [self._pool(weights[linear_table_name(f.table)], f) for f in plan.pooled], dim=1
-            )
+            linear = self._pool(weights, plan.pooled, plan.batch_size, linear_table_name).squeeze(
+                -1
+            )  # (B, F)
         sequences, masks = {}, {}
         for f in plan.sequences:
             assert f.mask is not None
@@ -243,10 +253,38 @@ class EmbeddingClient:
         ), weights
 
     @staticmethod
-    def _pool(weight: torch.Tensor, feature: _FeatureIndex) -> torch.Tensor:
-        assert feature.offsets is not None
-        inverse = torch.from_numpy(feature.inverse)
-        return F.embedding_bag(inverse, weight, torch.from_numpy(feature.offsets), mode="sum")  # (B, D)
+    def _pool(
+        weights: dict[str, torch.Tensor],
+        features: list[_FeatureIndex],
+        batch_size: int,
+        table_of: Callable[[str], str],
+    ) -> torch.Tensor:
+        """Sum-pool every feature: (B, F, D).
+
+        When every feature has exactly one id per sample (the common CTR case) pooling is a gather:
+        ONE index into the tables' rows concatenated, whose backward is an index_add. That measured
+        2x faster than one embedding_bag per feature (26 features, batch 2048, dim 16), and 3x
+        faster than a single fused embedding_bag, whose backward sorts all the indices. Multi-valued
+        features use embedding_bag. Gradients reach each table's own leaf tensor either way.
+        """
+        if all(f.single_valued for f in features):
+            names = list(dict.fromkeys(table_of(f.table) for f in features))
+            sizes = [weights[name].shape[0] for name in names]
+            row_starts = dict(zip(names, np.cumsum([0, *sizes[:-1]]), strict=True))
+            fused = torch.cat([weights[name] for name in names]) if len(names) > 1 else weights[names[0]]
+            indices = np.concatenate([f.inverse + row_starts[table_of(f.table)] for f in features])
+            gathered = fused[torch.from_numpy(indices)]  # (F * B, D)
+            return gathered.view(len(features), batch_size, -1).transpose(0, 1)
+        pooled = []
+        for f in features:
+            weight = weights[table_of(f.table)]
+            inverse = torch.from_numpy(f.inverse)
+            if f.single_valued:
+                pooled.append(weight[inverse])
+            else:
+                assert f.offsets is not None
+                pooled.append(F.embedding_bag(inverse, weight, torch.from_numpy(f.offsets), mode="sum"))
+        return torch.stack(pooled, dim=1)
 
     @staticmethod
     def _sequence(weight: torch.Tensor, feature: _FeatureIndex) -> torch.Tensor:

@@ -139,3 +139,40 @@ def test_client_matches_plain_pytorch_embedding(num_shards: int) -> None:
         after, expected.numpy()[[position[int(i)] for i in pulled_ids]], rtol=1e-5, atol=1e-6
     )
     assert sum(s.tables["t"].num_rows for s in shards) == all_ids.size - 1  # the padding id 0 is never pulled
+
+
+def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
+    """The all-single-valued fast path (one gather over concatenated tables) equals embedding_bag."""
+    tables = {"t": make_table("t"), "u": make_table("u")}
+    shard = ParameterShard(0, tables)
+    client = EmbeddingClient(
+        [LocalConnection(shard)],
+        default_bucket_map(4, 1),
+        table_dims={"t": DIM, "u": DIM},
+        feature_tables={"a": "t", "b": "u", "c": "t"},
+    )
+    sparse = SparseBatch.from_features(
+        {
+            "a": (np.array([1, 2, 1]), np.array([1, 1, 1])),
+            "b": (np.array([7, 7, 9]), np.array([1, 1, 1])),
+            "c": (np.array([2, 3, 4]), np.array([1, 1, 1])),
+        }
+    )
+    batch = Batch(np.zeros(3, np.float32), np.zeros((3, 0), np.float32), sparse)
+    plan = client.plan(batch)
+    assert all(f.single_valued for f in plan.pooled)
+    pulled = client.pull(plan)
+    inp, weights = client.embed(pulled, batch.dense)
+    expected = []
+    for key in ("a", "b", "c"):
+        table = client.feature_tables[key]
+        ids, lengths = sparse.feature(key)
+        rows = torch.from_numpy(tables[table].pull(ids, train=False))
+        expected.append(torch.nn.functional.embedding_bag(torch.arange(3), rows, torch.arange(3), mode="sum"))
+    torch.testing.assert_close(inp.pooled, torch.stack(expected, dim=1))
+    (inp.pooled * torch.arange(1.0, 4.0).view(1, 3, 1)).sum().backward()
+    # Feature a (table t, weight 1) and c (table t, weight 3): id 2 appears once in each -> grad 4.
+    unique_t = plan.unique_ids["t"].tolist()
+    np.testing.assert_allclose(weights["t"].grad[unique_t.index(2)].numpy(), np.full(DIM, 4.0))
+    unique_u = plan.unique_ids["u"].tolist()
+    np.testing.assert_allclose(weights["u"].grad[unique_u.index(7)].numpy(), np.full(DIM, 4.0))  # twice x 2
