@@ -109,16 +109,16 @@ class DotInteraction(nn.Module):
     (no dense features), N = F and the output is the upper triangle alone (FuxiCTR's DLRM on Frappe).
     """
 
-    rows: torch.Tensor  # (N (N - 1) / 2,) upper-triangle row indices (buffer)
-    columns: torch.Tensor  # (N (N - 1) / 2,) upper-triangle column indices (buffer)
+    upper_index: torch.Tensor  # (N (N - 1) / 2,) flat indices row * N + column of the upper triangle
 
     def __init__(self, num_sparse: int, embedding_dim: int, *, has_bottom: bool) -> None:
         super().__init__()
         self.has_bottom = has_bottom
         num_vectors = num_sparse + int(has_bottom)
         rows, columns = torch.triu_indices(num_vectors, num_vectors, offset=1)
-        self.register_buffer("rows", rows, persistent=False)
-        self.register_buffer("columns", columns, persistent=False)
+        # index_select on the flattened products: its backward is an index_add, about 2x faster
+        # (forward + backward) than advanced indexing products[:, rows, columns] here.
+        self.register_buffer("upper_index", rows * num_vectors + columns, persistent=False)
         self.output_dim = rows.numel() + (embedding_dim if has_bottom else 0)
 
     def forward(self, bottom: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
@@ -126,7 +126,7 @@ class DotInteraction(nn.Module):
             raise ValueError(f"DotInteraction built with has_bottom={self.has_bottom}, got bottom={bottom}")
         vectors = pooled if bottom is None else torch.cat([bottom.unsqueeze(1), pooled], dim=1)  # (B, N, D)
         products = torch.bmm(vectors, vectors.transpose(1, 2))  # (B, N, N)
-        upper = products[:, self.rows, self.columns]  # (B, N (N - 1) / 2)
+        upper = products.flatten(1).index_select(1, self.upper_index)  # (B, N (N - 1) / 2)
         return upper if bottom is None else torch.cat([bottom, upper], dim=1)
 
 
