@@ -149,7 +149,7 @@ class StepRunner:
             reg = sum((w * w).sum() for name, w in weights.items() if not _is_linear(name))
             total = loss + 0.5 * self.embedding_l2 * reg
         start = timer.add("forward", start)
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=True)
         total.backward()
         start = timer.add("backward", start)
         handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
@@ -216,4 +216,3 @@ def _any_across_trainers(flag: bool) -> bool:
 
 def _is_linear(table: str) -> bool:
     return table.endswith(linear_table_name(""))
-
