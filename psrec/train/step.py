@@ -10,6 +10,8 @@ Consistency (see `psrec.ps.shard`):
   allreduce is a barrier, so when any trainer leaves it, every shard has received every trainer's
   push for the step and has applied it: the next pull sees the step's update. With row gradients
   scaled by 1/N and dense gradients averaged, N trainers with batch b equal one trainer with batch N*b.
+  A single trainer does not wait for its pushes: each shard executes one caller's calls in
+  submission order, so the next step's pull, submitted after the push, still sees it (exact).
 - **async** with staleness k: pushes are not waited for; the rows of the next batch are pulled
   (prefetched) before the current step runs, and a trainer never has more than k steps of its own
   pushes unacknowledged. Rows a step uses may therefore miss at most the last k steps' updates.
@@ -153,12 +155,14 @@ class StepRunner:
         total.backward()
         start = timer.add("backward", start)
         handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
-        if self.mode == "sync":
-            for handle in handles:
+        if self.mode == "sync" and self.world_size > 1:
+            for handle in handles:  # the allreduce below is the barrier that makes the step complete
                 handle.result()
         else:
+            # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
+            # so the next pull (submitted after this push) sees this push without waiting for it.
             self._unacknowledged.append(handles)
-            while len(self._unacknowledged) > self.staleness:
+            while len(self._unacknowledged) > max(1, self.staleness):
                 for handle in self._unacknowledged.popleft():
                     handle.result()
         start = timer.add("push", start)

@@ -229,3 +229,28 @@ def test_profile_table_lists_phases_by_share() -> None:
     assert lines[1].startswith("backward") and "75.0%" in lines[1]
     assert lines[2].startswith("forward") and "100.00" in lines[2]  # 1 s over 10 steps = 100 ms/step
     assert lines[-1].startswith("total")
+
+
+@pytest.mark.ray
+def test_ray_single_trainer_sync_equals_in_process(
+    ray_cluster: None, dataset: dict[str, Any], tmp_path: Path
+) -> None:
+    """One trainer does not wait for push acknowledgements; Ray's per-caller ordering keeps it exact."""
+    from psrec.train.runtime import LocalRuntime, RayRuntime
+
+    states = {}
+    for runtime_name, runtime_class in (("local", LocalRuntime), ("ray", RayRuntime)):
+        config = make_config(dataset, tmp_path / runtime_name, **{"ps.runtime": runtime_name})
+        runtime = runtime_class(config, base_dir=".", data_sources=dataset)
+        try:
+            runtime.start_epoch(0)
+            runtime.train_steps(8)
+            states[runtime_name] = (runtime.dense_states()[0], runtime.table_rows())
+        finally:
+            runtime.shutdown()
+    (local_dense, local_rows), (ray_dense, ray_rows) = states["local"], states["ray"]
+    for name, value in local_dense.items():
+        torch.testing.assert_close(ray_dense[name], value, rtol=0, atol=0)
+    for table, (ids, values) in local_rows.items():
+        np.testing.assert_array_equal(ray_rows[table][0], ids)
+        np.testing.assert_array_equal(ray_rows[table][1], values)
