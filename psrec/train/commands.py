@@ -130,7 +130,7 @@ def _train_with_bar(config: Any, data_dir: str, resume: bool | None) -> dict[str
                 f"loss {report['loss']:.4f} auc {report['running_auc']:.4f} "
                 f"{report['samples_per_second']:.0f} samples/s"
             )
-            bar.update(task, completed=report["step"], status=status)
+            bar.update(task, total=report.get("total_steps"), completed=report["step"], status=status)
 
         return train(config, base_dir=data_dir, progress=update, resume=resume)
 

@@ -210,6 +210,7 @@ class Driver:
         self.checkpoint_seconds: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
         self.best_snapshot = False
+        self._epoch_steps: int | None = None
         self.resumed_from: dict[str, Any] | None = None
 
     # -- the run -------------------------------------------------------------------------------
@@ -281,6 +282,16 @@ class Driver:
                 chunk = min(chunk, every - self.state.step % every)
         return chunk
 
+    def _total_steps(self) -> int | None:
+        """Expected steps of the whole run (for the progress bar's ETA), when they can be known."""
+        if self._epoch_steps is None:
+            self._epoch_steps = self.runtime.epoch_steps() or 0
+        training = self.config.training
+        total = self._epoch_steps * training.epochs if self._epoch_steps else None
+        if training.max_steps is not None:
+            total = min(total, training.max_steps) if total is not None else training.max_steps
+        return total
+
     def _due(self, every: int | None) -> bool:
         return every is not None and self.state.step % every == 0
 
@@ -292,6 +303,7 @@ class Driver:
         if results[0].steps:
             samples = sum(r.samples for r in results)
             report = {
+                "total_steps": self._total_steps(),
                 "epoch": self.state.epoch,
                 "step": self.state.step,
                 "samples": self.state.samples,

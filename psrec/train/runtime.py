@@ -27,6 +27,8 @@ class Runtime(Protocol):
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]: ...
 
+    def epoch_steps(self) -> int | None: ...
+
     def evaluate(self, split: str) -> dict[str, np.ndarray]: ...
 
     def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None: ...
@@ -97,6 +99,9 @@ class LocalRuntime:
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
         return [self.trainer.train_steps(max_steps)]
+
+    def epoch_steps(self) -> int | None:
+        return self.trainer.epoch_steps()
 
     def evaluate(self, split: str) -> dict[str, np.ndarray]:
         return self.trainer.evaluate(split)
@@ -321,6 +326,10 @@ class RayRuntime:
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
         return self._all("train_steps", max_steps)
+
+    def epoch_steps(self) -> int | None:
+        steps = self._all("epoch_steps")
+        return None if None in steps else max(steps)  # sync trainers step together
 
     def evaluate(self, split: str) -> dict[str, np.ndarray]:
         parts = self._all("evaluate", split)

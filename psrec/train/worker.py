@@ -212,6 +212,13 @@ class TrainerWorker:
         self._batches = iter(self._reader)
         self._skipped_reported = 0
 
+    def epoch_steps(self) -> int | None:
+        """Steps this trainer's share of the epoch takes, when the format knows its rows (Parquet)."""
+        rows = self._reader.stats().get("shard_rows") if self._reader is not None else None
+        if rows is None:
+            return None
+        return -(-int(rows) // self.config.training.batch_size)
+
     def train_steps(self, max_steps: int) -> ChunkResult:
         if self._batches is None:
             raise RuntimeError("train_steps before start_epoch")
