@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+from types import FrameType
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads: OpenMP threads that spin-wait for work steal the cores that the other
+    # processes of a run (shards, trainers, the data reader) need; sleeping waiters measured 3-7x
+    # faster on shared cores (docs/benchmarks.md). An explicit OMP_WAIT_POLICY wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    signal.signal(signal.SIGTERM, _terminate)  # shut the workers down as Ctrl-C does
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -35,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return int(args.func(args) or 0)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,10 @@ class TrainingConfig(_Strict):
     eval_every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
     early_stopping: EarlyStoppingConfig | None = None
     embedding_l2: float = Field(0.0, ge=0)
+    dense_precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: autocast the dense model (CPUs with AVX-512 BF16/AMX); embedding rows stay fp32",
+    )
     grad_clip_norm: float | None = Field(None, gt=0)
     shuffle_buffer: int = Field(0, ge=0)
     seed: int = 0

@@ -46,3 +46,11 @@ def test_concat_batches_keeps_sample_order() -> None:
     assert merged.sparse.ids.tolist() == [1, 2, 3, 4]
     assert merged.sparse.lengths.tolist() == [2, 1, 1]
     assert merged.labels.tolist() == [0, 1, 1] and merged.row_ids.tolist() == [0, 1, 0]
+
+
+def test_public_names_resolve_lazily() -> None:
+    code = (
+        "import sys, psrec; assert 'torch' not in sys.modules; "
+        "assert set(psrec.__all__) == set(psrec._EXPORTS); [getattr(psrec, n) for n in psrec.__all__]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,7 +7,8 @@
     psrec bench --report out.json --profile                # print a saved report again
 
 Systems: a pytorch, b torchrec, c psrec, d psrec-ray, e ceiling + ceiling-bf16; extras:
-psrec-ray-1x1, psrec-ray-2x2, psrec-ray-t1, psrec-ray-passive, psrec-t1.
+psrec-ray-1x1, psrec-ray-2x2, psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
+pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process).
 """
 
 from __future__ import annotations

@@ -36,11 +36,16 @@ BASELINE = "pytorch"
 CEILING = "ceiling"
 
 
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}  # OpenMP threads sleep instead of spinning when idle
+
+
 @dataclass(frozen=True)
 class System:
     name: str
     label: str
     run: Callable[[Workload, dict[str, Any]], dict[str, Any]]
+    # Environment of the system's process (isolated runs only: OpenMP reads it when torch loads).
+    env: tuple[tuple[str, str], ...] = ()
 
 
 _SYSTEMS = [
@@ -74,6 +79,18 @@ _SYSTEMS = [
         "psrec-ray-passive",
         "psrec Ray 1x2, OMP_WAIT_POLICY=PASSIVE",
         partial(psrec_systems.run_psrec, runtime="ray", omp_passive=True),
+    ),
+    System(
+        "pytorch-passive",
+        "(a) plain PyTorch, OMP_WAIT_POLICY=PASSIVE",
+        torch_systems.run_pytorch,
+        env=tuple(PASSIVE.items()),
+    ),
+    System(
+        "psrec-passive",
+        "psrec in-process, OMP_WAIT_POLICY=PASSIVE",
+        partial(psrec_systems.run_psrec, runtime="local"),
+        env=tuple(PASSIVE.items()),
     ),
     System(
         "psrec-t1",
@@ -131,8 +148,11 @@ def _run_isolated(name: str, workload: Workload, sources: dict[str, Any], timeou
         answer = Path(tmp) / "result.json"
         request.write_text(json.dumps({"system": name, "workload": workload.to_dict(), "sources": sources}))
         command = [sys.executable, "-m", "psrec.bench.harness", str(request), str(answer)]
+        env = {**os.environ, **dict(SYSTEMS[name].env)}
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout, check=False, env=env
+            )
         except subprocess.TimeoutExpired:
             return {"system": name, "error": f"timed out after {timeout:.0f} s"}
         if done.returncode != 0 or not answer.exists():

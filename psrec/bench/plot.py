@@ -40,7 +40,12 @@ def plot_throughput(reports: list[dict[str, Any]], path: str | Path) -> Path:
             ratios = {row["system"]: row.get(ratio_key) for row in report["rows"]}
             xs = [i + (index - (len(reports) - 1) / 2) * width for i in range(len(systems))]
             heights = [(rates.get(s) or 0.0) / 1000 for s in systems]
-            bars = axes.bar(xs, heights, width, label=f"dim {report['workload']['dim']}")
+            bars = axes.bar(
+                xs,
+                heights,
+                width,
+                label=f"dim {report['workload']['dim']}, {report['workload']['threads']} thread(s)",
+            )
             for bar, system in zip(bars, systems, strict=True):
                 ratio = ratios.get(system)
                 if ratio is not None and bar.get_height() > 0:
@@ -59,8 +64,8 @@ def plot_throughput(reports: list[dict[str, Any]], path: str | Path) -> Path:
         axes.grid(axis="y", alpha=0.3)
     workload, machine = reports[0]["workload"], reports[0]["machine"]
     figure.suptitle(
-        f"psrec bench: DLRM, batch {workload['batch_size']}, {workload['threads']} threads, "
-        f"{machine['cores']} shared cores (load ~{machine['load_average'][0]:.0f}); labels: x plain PyTorch, same round",
+        f"psrec bench: DLRM, batch {workload['batch_size']}, {machine['cores']} shared cores "
+        f"(load ~{machine['load_average'][0]:.0f}); labels: x plain PyTorch, same round",
         fontsize=9,
     )
     figure.tight_layout()

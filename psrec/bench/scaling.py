@@ -6,7 +6,7 @@ per step. A sync step of one trainer (batch b) then costs
 
     T = t_trainer                                   # plan + forward + backward + optimizer + other
       + 2 * t_rpc                                   # pull and push round trips (Ray), fixed per step
-      + b * (p + q) / W                              # this trainer's rows and gradients on the wire
+      + max(1, N / M) * b * (p + q) / W             # rows + gradients on the busiest NIC (trainer or shard)
       + N * b * c_shard / M                          # the shard's lookup + optimizer work, N trainers' worth
       + 2 (N - 1) / N * 4 P / W                      # ring allreduce of P dense fp32 parameters
     X_dedicated = N * b / T                          # samples/s, every process on its own cores
@@ -65,7 +65,13 @@ def step_seconds(
 ) -> float:
     """T of the module docstring: one sync step of one trainer, every process on its own cores."""
     b = costs.batch_size
-    wire = b * (costs.bytes_pulled_per_sample + costs.bytes_pushed_per_sample) / bandwidth
+    # A trainer's NIC carries its own rows; a shard's carries N/M trainers' worth.
+    wire = (
+        max(1.0, trainers / shards)
+        * b
+        * (costs.bytes_pulled_per_sample + costs.bytes_pushed_per_sample)
+        / bandwidth
+    )
     shard = trainers * b * costs.shard_seconds_per_sample / shards
     allreduce = 2 * (trainers - 1) / trainers * 4 * costs.dense_parameters / bandwidth
     rpc = 2 * costs.rpc_seconds if remote else 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any, Protocol
 
 import numpy as np
@@ -209,7 +210,13 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         return
     if address is not None:
         check_reachable(address)
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "configure_logging": False}
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "configure_logging": False,
+        # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
+        "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
+    }
     try:
         if address is None:
             ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)

@@ -85,6 +85,7 @@ class StepRunner:
         staleness: int = 1,
         embedding_l2: float = 0.0,
         grad_clip_norm: float | None = None,
+        bf16: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -94,6 +95,7 @@ class StepRunner:
         self.staleness = staleness if mode == "async" else 0
         self.embedding_l2 = embedding_l2
         self.grad_clip_norm = grad_clip_norm
+        self.bf16 = bf16  # autocast the dense model; pulled rows and their gradients stay fp32
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
 
@@ -145,7 +147,9 @@ class StepRunner:
         start = time.perf_counter()
         inp, weights = self.client.embed(pulled, batch.dense)
         labels = torch.from_numpy(np.require(batch.labels, requirements="W"))
-        loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
+        loss, scores = loss.float(), scores.float()
         total = loss
         if self.embedding_l2 > 0:
             reg = sum((w * w).sum() for name, w in weights.items() if not _is_linear(name))
@@ -207,9 +211,10 @@ class StepRunner:
         self.model.eval()
         pulled = self.client.pull(self.client.plan(batch), train=False)
         inp, _ = self.client.embed(pulled, batch.dense, requires_grad=False)
-        scores = self.model.predict(inp)  # type: ignore[operator]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+            scores = self.model.predict(inp)  # type: ignore[operator]
         self.model.train()
-        return scores.numpy()
+        return scores.float().numpy()
 
 
 def _any_across_trainers(flag: bool) -> bool:

@@ -119,6 +119,7 @@ class TrainerWorker:
             staleness=self.config.ps.staleness,
             embedding_l2=training.embedding_l2,
             grad_clip_norm=training.grad_clip_norm,
+            bf16=training.dense_precision == "bf16",
         )
 
     def _build_collective_client(self) -> None:

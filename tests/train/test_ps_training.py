@@ -30,8 +30,9 @@ def make_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> Run
     return small_run_config(sources, run_dir, **overrides)
 
 
-def test_in_process_training_learns(dataset: dict[str, Any], tmp_path: Path) -> None:
-    config = make_config(dataset, tmp_path)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_in_process_training_learns(dataset: dict[str, Any], tmp_path: Path, precision: str) -> None:
+    config = make_config(dataset, tmp_path, **{"training.dense_precision": precision})
     summary = train(config)
     assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 24_000
     assert summary["validation"]["auc"] > 0.65, summary["validation"]
