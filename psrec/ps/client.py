@@ -273,14 +273,14 @@ class EmbeddingClient:
             row_starts = dict(zip(names, np.cumsum([0, *sizes[:-1]]), strict=True))
             fused = torch.cat([weights[name] for name in names]) if len(names) > 1 else weights[names[0]]
             indices = np.concatenate([f.inverse + row_starts[table_of(f.table)] for f in features])
-            gathered = fused[torch.from_numpy(indices)]  # (F * B, D)
+            gathered = fused.index_select(0, torch.from_numpy(indices))  # (F * B, D); backward: index_add
             return gathered.view(len(features), batch_size, -1).transpose(0, 1)
         pooled = []
         for f in features:
             weight = weights[table_of(f.table)]
             inverse = torch.from_numpy(f.inverse)
             if f.single_valued:
-                pooled.append(weight[inverse])
+                pooled.append(weight.index_select(0, inverse))
             else:
                 assert f.offsets is not None
                 pooled.append(F.embedding_bag(inverse, weight, torch.from_numpy(f.offsets), mode="sum"))
@@ -293,7 +293,7 @@ class EmbeddingClient:
         padded = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])  # padding -> zero row
         index = np.full(b * length, weight.shape[0], dtype=np.int64)
         index[feature.mask.reshape(-1)] = feature.inverse
-        return padded[torch.from_numpy(index)].view(b, length, weight.shape[1])  # (B, L, D)
+        return padded.index_select(0, torch.from_numpy(index)).view(b, length, weight.shape[1])  # (B, L, D)
 
     # -- return ------------------------------------------------------------------------------
     def submit_push(
