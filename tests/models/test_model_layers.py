@@ -72,3 +72,27 @@ def test_factorization_machine_matches_pairwise_sum() -> None:
         (embeddings[:, i] * embeddings[:, j]).sum(-1) for i, j in itertools.combinations(range(4), 2)
     )
     torch.testing.assert_close(FactorizationMachine()(embeddings), expected)
+
+
+def test_upper_triangle_products_backward_matches_autograd() -> None:
+    import torch
+
+    from psrec.models.layers import UpperTriangleProducts
+
+    torch.manual_seed(0)
+    vectors = torch.randn(5, 7, 3, dtype=torch.float64, requires_grad=True)
+    rows, columns = torch.triu_indices(7, 7, offset=1)
+    index = rows * 7 + columns
+    weights = torch.randn(5, index.numel(), dtype=torch.float64)
+    (UpperTriangleProducts.apply(vectors, index) * weights).sum().backward()
+    fast = vectors.grad.clone()
+    vectors.grad = None
+    reference = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1).index_select(1, index)
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(fast, vectors.grad)
+    torch.autograd.gradcheck(
+        lambda v: UpperTriangleProducts.apply(v, index), (vectors.detach().requires_grad_(),)
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # runs under autocast, gradients reach fp32 leaves
+        out = UpperTriangleProducts.apply(vectors.float().detach().requires_grad_(), index)
+        out.float().sum().backward()
