@@ -57,6 +57,11 @@ _SYSTEMS = [
     System(
         "psrec-ray", "(d) psrec Ray 1 trainer + 2 shards", partial(psrec_systems.run_psrec, runtime="ray")
     ),
+    System(
+        "psrec-bf16",
+        "(c) psrec in-process, bf16 dense",
+        partial(psrec_systems.run_psrec, runtime="local", dense_precision="bf16"),
+    ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System("ceiling-bf16", "(e) dense-only ceiling bf16", partial(torch_systems.run_ceiling, bf16=True)),
     # Extra layouts and settings (scaling model, thread experiments); not in the default set.
@@ -102,11 +107,11 @@ SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}
 ALIASES: dict[str, list[str]] = {
     "a": ["pytorch"],
     "b": ["torchrec"],
-    "c": ["psrec"],
+    "c": ["psrec", "psrec-bf16"],
     "d": ["psrec-ray"],
     "e": ["ceiling", "ceiling-bf16"],
 }
-DEFAULT_SYSTEMS = ["pytorch", "torchrec", "psrec", "psrec-ray", "ceiling", "ceiling-bf16"]
+DEFAULT_SYSTEMS = ["pytorch", "torchrec", "psrec", "psrec-bf16", "psrec-ray", "ceiling", "ceiling-bf16"]
 
 
 def resolve_systems(spec: str | list[str]) -> list[str]:

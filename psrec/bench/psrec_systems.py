@@ -46,6 +46,7 @@ def bench_config(
     num_shards: int = 2,
     trainer_threads: int | None = None,
     shard_threads: int = 1,
+    dense_precision: str = "fp32",
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload."""
     chunk = max(1, workload.warmup_steps)
@@ -71,6 +72,7 @@ def bench_config(
             "max_steps": chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps,
             "log_every_steps": chunk,
             "dense_optimizer": {"name": "adam", "lr": workload.dense_lr},
+            "dense_precision": dense_precision,
             "seed": workload.seed,
         },
         "ps": {
@@ -171,6 +173,7 @@ def run_psrec(
     trainer_threads: int | None = None,
     shard_threads: int = 1,
     omp_passive: bool = False,
+    dense_precision: str = "fp32",
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -194,6 +197,7 @@ def run_psrec(
                 num_shards=num_shards,
                 trainer_threads=trainer_threads,
                 shard_threads=shard_threads,
+                dense_precision=dense_precision,
             ),
             source="<bench>",
         )
