@@ -30,7 +30,7 @@ def tiny_workload(cache: Path) -> Workload:
 
 
 def test_resolve_systems_expands_letters_and_rejects_unknown() -> None:
-    assert resolve_systems("a,c,e") == ["pytorch", "psrec", "ceiling", "ceiling-bf16"]
+    assert resolve_systems("a,c,e") == ["pytorch", "psrec", "psrec-bf16", "ceiling", "ceiling-bf16"]
     assert resolve_systems("a,pytorch") == ["pytorch"]
     with pytest.raises(ValueError, match="unknown system"):
         resolve_systems("a,nope")
