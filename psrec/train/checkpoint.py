@@ -474,13 +474,19 @@ def load_checkpoint(
 
 
 def resolve_restore_chain(
-    run_dir: str | os.PathLike[str], *, config: dict[str, Any], ignore_fields: Collection[str] = ()
+    run_dir: str | os.PathLike[str],
+    *,
+    config: dict[str, Any],
+    ignore_fields: Collection[str] = (),
+    normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> list[CheckpointRef]:
     """The chain to resume from, ``[full, delta1, ..., deltaN]``, or ``[]`` when there is none.
 
     Picks the newest checkpoint whose chain is complete and checksum-valid, logging a warning for each
     newer one it skips. Raises `ConfigMismatchError` if that chain was written with a config that
-    differs from ``config`` outside ``ignore_fields`` (see `diff_configs`).
+    differs from ``config`` outside ``ignore_fields`` (see `diff_configs`). ``normalize`` maps a saved
+    config before the comparison (the trainer re-validates it, so that a field added to the schema
+    since the checkpoint, at its default, is not a difference).
     """
     refs, broken = _scan(Path(run_dir))
     for path, reason in broken:
@@ -494,6 +500,8 @@ def resolve_restore_chain(
         return []
     for ref in decision.chain:
         saved = read_manifest(ref)["config"]
+        if normalize is not None:  # e.g. fill fields added since the checkpoint with their defaults
+            saved = normalize(saved)
         differences = config_differences(saved, config, ignore=ignore_fields)
         if differences:
             listed = "; ".join(

@@ -397,7 +397,9 @@ class Driver:
         checkpoint.apply_retention(self.run_dir, keep_last=settings.keep_last, verify_checksums=False)
 
     def _chain(self) -> list[Any]:
-        return checkpoint.resolve_restore_chain(self.run_dir, config=self.config.fingerprint_dict())
+        return checkpoint.resolve_restore_chain(
+            self.run_dir, config=self.config.fingerprint_dict(), normalize=_normalized_fingerprint
+        )
 
     def _restore_latest(self) -> bool:
         chain = self._chain()
@@ -476,6 +478,16 @@ class Driver:
             if split in self.sources:
                 summary[split] = _metrics(self.runtime.evaluate(split))
         return summary
+
+
+def _normalized_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config re-validated with today's schema: new fields appear at their defaults."""
+    from pydantic import ValidationError
+
+    try:
+        return RunConfig.model_validate(saved).fingerprint_dict()
+    except ValidationError:
+        return saved  # not valid any more: compared as written, the differences are then reported
 
 
 def _is_actor_failure(error: BaseException) -> bool:

@@ -219,6 +219,8 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     }
     try:
         if address is None:
+            # Ray starts workers at nice 15; on a shared machine the trainer then starves.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
         else:
             ray.init(address=address, **kwargs)

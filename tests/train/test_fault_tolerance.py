@@ -110,3 +110,17 @@ def test_resume_skips_a_corrupt_checkpoint_and_refuses_another_config(
     assert resumed["resumed_from"]["step"] == 20  # the corrupt step-30 checkpoint was skipped
     assert resumed["steps"] == 94
     assert resumed["rows_consumed"] == ROWS
+
+
+def test_checkpoint_config_from_an_older_schema_is_normalised(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """A field added to the schema after a checkpoint was written (at its default) is not a difference."""
+    from psrec.train.loop import _normalized_fingerprint
+
+    config = small_run_config(synthetic_sources, tmp_path)
+    saved = config.fingerprint_dict()
+    del saved["training"]["dense_precision"]  # as written before the field existed
+    del saved["ps"]["strategy"]
+    assert saved != config.fingerprint_dict()
+    assert _normalized_fingerprint(saved) == config.fingerprint_dict()
