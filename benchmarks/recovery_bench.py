@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from psrec.config import load_config
-from psrec.train.loop import train
-from psrec.train.runtime import RayRuntime, prepare_data_for
+from psrec.train.loop import prepare_data, train
+from psrec.train.runtime import RayRuntime
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
                     "training.log_every_steps": 5,
                 },
             )
-            runtime = RayRuntime(config, base_dir=".", data_sources=prepare_data_for(config))
+            runtime = RayRuntime(config, base_dir=".", data_sources=prepare_data(config, base_dir=Path(".")))
             killed: dict[str, Any] = {}
 
             def kill(

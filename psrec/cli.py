@@ -1,7 +1,7 @@
 """The `psrec` command line: `psrec train|data|bench ...`.
 
 This is the only place that parses arguments, sets up logging and prints for the user; each
-subcommand lives next to the code it drives and registers itself here.
+subcommand lives in the `cli` module of the package it drives and registers itself here.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from types import FrameType
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from psrec.bench import commands as bench_commands
-    from psrec.data import commands as data_commands
-    from psrec.parallel import commands as parallel_commands
-    from psrec.train import commands as train_commands
+    from psrec.bench import cli as bench_commands
+    from psrec.data import cli as data_commands
+    from psrec.parallel import cli as parallel_commands
+    from psrec.train import cli as train_commands
 
     parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -2,10 +2,10 @@
 
 The workload (`workload.Workload`) is the issue's DLRM on synthetic Criteo-shaped data; the systems
 are in `torch_systems` and `psrec_systems`; `harness.run_bench` runs them in interleaved rounds and
-`commands` is the CLI; `cpu_profile` breaks a step down by CPU time (1 thread) and `scaling` is the
+`cli` is the CLI; `benchmarks/cpu_profile.py` breaks a step down by CPU time (1 thread) and `scaling` is the
 N trainers x M shards throughput model of docs/scaling.md::
 
     psrec bench --dim 64 --rounds 3
     psrec bench --systems a,c,e --steps 6 --profile --json out.json
-    python -m psrec.bench.cpu_profile --dim 64
+    python benchmarks/cpu_profile.py --dim 64
 """

@@ -4,7 +4,7 @@ Modules, by concept:
 
 - ``planner``: the sharding planner, a pure function (table sizes, devices, strategy -> placement,
   memory and traffic per device, or a refusal saying why); ``plan_spec`` reads its YAML input and
-  ``commands`` is ``psrec plan SPEC``.
+  ``cli`` is ``psrec plan SPEC``.
 - ``placement``: which rank owns each id under collective sharding (table-wise or row-wise by bucket).
 - ``exchange``: variable-sized all-to-all of NumPy arrays over ``torch.distributed``.
 - ``collective``: ``CollectiveConnection``, the trainers holding the tables themselves; a
@@ -12,7 +12,7 @@ Modules, by concept:
 - ``pipeline``: SASRec/BST split into stages with ``torch.distributed.pipelining`` (GPipe or 1F1B),
   data-parallel across pipeline replicas.
 - ``launch``: ``run_local_group``, W forked processes in a gloo group (tests, measurements).
-- ``measure``: ``python -m psrec.parallel.measure``, the side-by-side figures of the docs.
+- the side-by-side figures of the docs come from `benchmarks/parallel_bench.py`.
 
 Import from the modules (``from psrec.parallel.planner import plan_sharding``): this package file
 imports nothing, so `psrec --help` stays fast.

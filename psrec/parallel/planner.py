@@ -4,7 +4,7 @@ A pure function over plain data, no processes: `plan_sharding(tables, devices, s
 the table sizes (rows seen or expected, dim, precision, optimizer) and the devices (count, memory),
 and returns a `ShardingPlan` with the placement, the memory it expects on every device and the bytes
 every device sends and receives per training step. A plan that does not fit raises `PlanDoesNotFit`,
-naming the device or table and the shortfall. `psrec plan SPEC` (``psrec.parallel.commands``) prints it.
+naming the device or table and the shortfall. `psrec plan SPEC` (``psrec.parallel.cli``) prints it.
 
 Strategies (``docs/parallelism.md`` says when to choose which):
 

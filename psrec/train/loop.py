@@ -215,9 +215,7 @@ class Driver:
 
     # -- the run -------------------------------------------------------------------------------
     def run(self, *, resume: bool) -> dict[str, Any]:
-        if resume and self._restore_latest():
-            pass
-        else:
+        if not (resume and self._restore_latest()):
             self.runtime.start_epoch(0)
             self._checkpoint()  # step 0: a failure before the first periodic checkpoint rolls back here
         restarts = 0

@@ -473,12 +473,3 @@ def make_runtime(config: RunConfig, *, base_dir: str, data_sources: dict[str, di
     if config.ps.runtime == "local":
         return LocalRuntime(config, base_dir=base_dir, data_sources=data_sources)
     return RayRuntime(config, base_dir=base_dir, data_sources=data_sources)
-
-
-def prepare_data_for(config: RunConfig, base_dir: str = ".") -> dict[str, dict[str, Any]]:
-    """The data sources `train` would use for `config` (generating synthetic data when asked)."""
-    from pathlib import Path
-
-    from psrec.train.loop import prepare_data
-
-    return prepare_data(config, base_dir=Path(base_dir))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from psrec.bench import commands
+from psrec.bench import cli as commands
 from psrec.bench.harness import DEFAULT_SYSTEMS, resolve_systems, run_bench, step_profile, summarize
 from psrec.bench.workload import Workload
 

@@ -223,7 +223,7 @@ def test_collective_strategy_equals_parameter_server(
 
 
 def test_profile_table_lists_phases_by_share() -> None:
-    from psrec.train.commands import format_profile
+    from psrec.train.cli import format_profile
 
     text = format_profile({"steps": 10, "phase_seconds": {"forward": 1.0, "backward": 3.0}})
     lines = text.splitlines()

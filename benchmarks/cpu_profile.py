@@ -6,7 +6,7 @@ shared machine disturb least, so these numbers are stable where wall-clock rates
 milliseconds of CPU per step (median of `--reps`) for psrec, plain PyTorch and the ceiling (fp32 and
 bf16 autocast), and the dense pieces (bottom MLP, interaction, top MLP) forward and forward+backward.
 
-    python -m psrec.bench.cpu_profile --dim 64
+    python benchmarks/cpu_profile.py --dim 64
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Measure the parallel strategies side by side on this machine: samples/s and memory per process.
 
-    python -m psrec.parallel.measure [--steps 20] [--batch 1024] [--rounds 2] [--json out.json]
+    python benchmarks/parallel_bench.py [--steps 20] [--batch 1024] [--rounds 2] [--json out.json]
 
 Two workloads, each on synthetic data generated in memory (no reader in the loop), every case run
 in fresh forked processes (`run_local_group`), rounds interleaved so machine noise hits all alike:
