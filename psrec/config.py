@@ -44,6 +44,7 @@ class SparseOptimizerConfig(_Strict):
     ftrl_l1: float = Field(0.0, ge=0)
     ftrl_l2: float = Field(0.0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
+    lazy: bool = True  # false: every row steps at every push (dense-Adam semantics; small tables)
 
 
 class InitializerConfig(_Strict):
@@ -68,6 +69,9 @@ class EvictionConfig(_Strict):
 
 class TableConfig(_Strict):
     dim: int = Field(16, ge=1)
+    expected_rows: int | None = Field(
+        None, ge=0, description="rows the table is expected to reach: the collective planner balances by it"
+    )
     optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
     initializer: InitializerConfig = InitializerConfig()
     precision: Literal["fp32", "fp16", "int8"] = "fp32"
@@ -104,12 +108,16 @@ class TrainingConfig(_Strict):
     log_every_steps: int = Field(20, ge=1)
     eval_every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
     early_stopping: EarlyStoppingConfig | None = None
+    # L2 on the embedding rows each step touches (BARS-style), applied once per step by the shards as
+    # the tables' weight decay: exact with any number of trainers. Linear (wide) tables are exempt.
     embedding_l2: float = Field(0.0, ge=0)
     dense_precision: Literal["fp32", "bf16"] = Field(
         "fp32",
         description="bf16: autocast the dense model (CPUs with AVX-512 BF16/AMX); embedding rows stay fp32",
     )
     grad_clip_norm: float | None = Field(None, gt=0)
+    # torch.compile (inductor) the dense model's loss and predict; the first steps take seconds longer
+    compile: bool = False
     shuffle_buffer: int = Field(0, ge=0)
     seed: int = 0
 
@@ -121,14 +129,28 @@ class ResourcesConfig(_Strict):
     threads: int = Field(1, ge=1, description="torch/numba threads in the process")
 
 
+class PipelineConfig(_Strict):
+    """Pipeline parallelism of the dense model (SASRec, BST): ``ps.num_trainers`` = replicas x stages.
+
+    Trainer r is stage r % stages of replica r // stages; the first stage of each replica reads its
+    replica's share of the data and talks to the PS (see docs/parallelism.md, `psrec.train.pipeline_step`).
+    """
+
+    stages: int = Field(ge=2, description="stages per replica: embedding first, blocks dealt out, head last")
+    microbatches: int = Field(4, ge=1, description="per batch (fewer when they would not split it evenly)")
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"
+
+
 class PSConfig(_Strict):
     runtime: Literal["ray", "local"] = "ray"
     strategy: Literal["ps", "collective"] = Field(
         "ps",
         description="ps: tables on shard actors; collective: tables sharded across the trainers (all-to-all)",
     )
-    sharding: Literal["row_wise", "table_wise"] = Field(
-        "row_wise", description="collective: how tables are split"
+    sharding: Literal["row_wise", "table_wise", "auto"] = Field(
+        "row_wise",
+        description="collective: how tables are split; auto = the sharding planner's choice per table "
+        "(needs embedding.*.expected_rows)",
     )
     address: str | None = Field(None, description="join this Ray cluster; None starts an embedded one")
     num_trainers: int = Field(1, ge=1)
@@ -138,9 +160,29 @@ class PSConfig(_Strict):
     staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
     trainer_resources: ResourcesConfig = ResourcesConfig()
     shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)
+    pipeline: PipelineConfig | None = Field(
+        None, description="split the dense model into pipeline stages over the trainers (SASRec, BST)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PSConfig:
+        if self.pipeline is not None:
+            stages = self.pipeline.stages
+            for field, value, wanted in (
+                ("runtime", self.runtime, "ray"),
+                ("strategy", self.strategy, "ps"),
+                ("mode", self.mode, "sync"),
+            ):
+                if value != wanted:
+                    raise ValueError(
+                        f"ps.pipeline needs ps.{field}: {wanted}, got {value!r} "
+                        "(the stages are Ray trainers pulling from PS shards in sync steps)"
+                    )
+            if self.num_trainers % stages:
+                raise ValueError(
+                    f"ps.pipeline.stages={stages} must divide ps.num_trainers={self.num_trainers} "
+                    "(trainers = pipeline replicas x stages)"
+                )
         if self.num_shards > self.num_buckets:
             raise ValueError(
                 f"num_shards={self.num_shards} is more than num_buckets={self.num_buckets}: "
@@ -242,7 +284,37 @@ class RunConfig(_Strict):
         dims = {t: (self.embedding.tables.get(t) or self.embedding.default).dim for t in tables}  # type: ignore[union-attr]
         if len(set(dims.values())) > 1:
             raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
+        if self.ps.pipeline is not None:
+            self._check_pipeline(self.ps.pipeline)
+        ftrl = [t for t in tables if self.table_config(t).optimizer.name == "ftrl"]
+        if self.training.embedding_l2 > 0 and ftrl:
+            raise ValueError(
+                f"training.embedding_l2 is applied as the tables' weight decay, but tables {ftrl} use "
+                "ftrl, which regularises through optimizer.ftrl_l2: set that instead"
+            )
+        if self.ps.strategy == "collective" and self.ps.sharding == "auto":
+            unsized = [t for t in tables if self.table_config(t).expected_rows is None]
+            if unsized:
+                raise ValueError(
+                    f"ps.sharding 'auto' plans by table size, but tables {unsized} have no expected_rows: "
+                    "set embedding.default.expected_rows or embedding.tables.<name>.expected_rows, "
+                    "or choose ps.sharding row_wise | table_wise"
+                )
         return self
+
+    def _check_pipeline(self, pipeline: PipelineConfig) -> None:
+        num_blocks = getattr(self.model, "num_blocks", None)
+        if self.model.name not in ("sasrec", "bst") or num_blocks is None:
+            raise ValueError(
+                f"ps.pipeline needs a model with stages (sasrec, bst), got model.name {self.model.name!r}"
+            )
+        if pipeline.stages > num_blocks + 2:
+            raise ValueError(
+                f"ps.pipeline.stages={pipeline.stages} is more than the {num_blocks + 2} parts of the model "
+                f"(embedding, model.num_blocks={num_blocks} blocks, head)"
+            )
+        if self.training.dense_precision != "fp32":
+            raise ValueError("ps.pipeline supports training.dense_precision fp32 only")
 
     def fingerprint_dict(self) -> dict[str, Any]:
         """The parts of the config a checkpoint must agree with to be resumed (not steps or logging)."""
@@ -250,7 +322,7 @@ class RunConfig(_Strict):
         data["training"] = {
             k: v
             for k, v in data["training"].items()
-            if k not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps")
+            if k not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps", "compile")
         }
         data.pop("run_dir")
         data.pop("checkpoint")
@@ -258,7 +330,7 @@ class RunConfig(_Strict):
         data["ps"] = {
             k: v
             for k, v in data["ps"].items()
-            if k in ("num_shards", "num_buckets", "num_trainers", "strategy", "sharding")
+            if k in ("num_shards", "num_buckets", "num_trainers", "strategy", "sharding", "pipeline")
         }
         return data
 

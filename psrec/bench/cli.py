@@ -6,9 +6,11 @@
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
     psrec bench --report out.json --profile                # print a saved report again
 
-Systems: a pytorch, b torchrec, c psrec, d psrec-ray, e ceiling + ceiling-bf16; extras:
+Systems: a pytorch, b torchrec, c psrec + psrec-bf16, d psrec-ray, e ceiling + ceiling-bf16; extras:
+psrec-bf16-compile + ceiling-bf16-compile (torch.compile of the dense model, `training.compile`),
 psrec-ray-1x1, psrec-ray-2x2, psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
-pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process).
+pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process). "of ceil" divides by
+the dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             shown = f"{result['samples_per_second']:9.0f} samples/s"
         else:
             shown = result.get("skipped") or result.get("error", "?")
-        print(f"round {round_index} {result['system']:18s} {shown}", flush=True)
+        print(f"round {round_index} {result['system']:20s} {shown}", flush=True)
 
     if args.report:
         report = json.loads(Path(args.report).read_text())
@@ -105,16 +107,17 @@ def format_table(report: dict[str, Any]) -> str:
         f"DLRM dim {workload['dim']}, batch {workload['batch_size']}, {workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
         f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
-        "wall: median samples/s and within-round ratios; cpu: samples per CPU-second (all threads and "
-        "processes) and its ratios; best: fastest step (psrec: 2-step chunk) of all rounds",
-        f"{'system':18s} {'samples/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'x psrec':>7s} "
+        "wall: median samples/s and within-round ratios (of ceil: to the ceiling at the same precision "
+        "and compile); cpu: samples per CPU-second (all threads and processes) and its ratios; "
+        "best: fastest step (psrec: warm-up-sized chunk) of all rounds",
+        f"{'system':20s} {'samples/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'x psrec':>7s} "
         f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'best':>7s} "
         f"{'peak RSS':>8s} {'val AUC':>7s}  status",
     ]
     for row in report["rows"]:
         rss = row["peak_rss_bytes"]
         lines.append(
-            f"{row['system']:18s} {_number(row['samples_per_second'], '9.0f')} "
+            f"{row['system']:20s} {_number(row['samples_per_second'], '9.0f')} "
             f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row['fraction_of_ceiling'], '7.2f')} "
             f"{_number(row['ratio_to_psrec'], '7.2f')} "
             f"{_number(row.get('samples_per_cpu_second'), '9.0f')} "
@@ -127,7 +130,18 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-PHASES = ("plan", "pull", "forward", "backward", "push", "allreduce", "optimizer", "other", "total")
+PHASES = (
+    "plan",
+    "pull",
+    "forward",
+    "backward",
+    "push",
+    "allreduce",
+    "optimizer",
+    "other",
+    "total",
+    "plan_overlapped",
+)
 
 
 def format_profile(report: dict[str, Any]) -> str:
@@ -137,12 +151,12 @@ def format_profile(report: dict[str, Any]) -> str:
         return "no psrec system ran: nothing to profile"
     lines = [
         "psrec per-step phases, ms (last round; 'other' = reader wait + driver; forward includes pooling)",
-        f"{'system':18s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
+        f"{'system':20s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
     ]
     for row in rows:
         profile = row["profile"]
         cells = " ".join(f"{profile.get(p, 0.0):9.1f}" for p in PHASES)
         lines.append(
-            f"{row['system']:18s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f}"
+            f"{row['system']:20s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f}"
         )
     return "\n".join(lines)

@@ -3,7 +3,9 @@
 The run config is built in code (`bench_config`) from the `Workload`: DLRM 13-512-256-D / 512-256-1,
 row-wise Adagrad tables, Adam for the MLPs, batch 4096, checkpoints off. Steps run in chunks of
 `warmup_steps` (the driver's `log_every_steps`); the progress report after each chunk gives the
-driver's cumulative training seconds, so the rate of the chunks after the first one is the timed rate.
+driver's cumulative training seconds, so the rate of the chunks after the first one is the timed rate
+(with `training.compile`, the first, untimed chunk holds the compile; every timed batch is full, so
+none recompiles).
 psrec reads and hashes its batches inside that time (the reader's prefetch thread), which the
 PyTorch-only systems do not.
 
@@ -47,6 +49,7 @@ def bench_config(
     trainer_threads: int | None = None,
     shard_threads: int = 1,
     dense_precision: str = "fp32",
+    compile_model: bool = False,
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload."""
     chunk = max(1, workload.warmup_steps)
@@ -73,6 +76,7 @@ def bench_config(
             "log_every_steps": chunk,
             "dense_optimizer": {"name": "adam", "lr": workload.dense_lr},
             "dense_precision": dense_precision,
+            "compile": compile_model,
             "seed": workload.seed,
         },
         "ps": {
@@ -174,6 +178,7 @@ def run_psrec(
     shard_threads: int = 1,
     omp_passive: bool = False,
     dense_precision: str = "fp32",
+    compile_model: bool = False,
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -198,6 +203,7 @@ def run_psrec(
                 trainer_threads=trainer_threads,
                 shard_threads=shard_threads,
                 dense_precision=dense_precision,
+                compile_model=compile_model,
             ),
             source="<bench>",
         )

@@ -6,11 +6,13 @@
   row-wise Adagrad fused into backward), when ``torchrec`` + ``fbgemm-gpu-cpu`` import; an optional
   extra, never a psrec dependency: without it the system reports ``skipped: <reason>``.
 - `run_ceiling`: (e) the dense-only ceiling: the same DLRM fed embedding rows that are already pooled
-  (random (B, F, D) tensors), so only MLPs + interaction + Adam run — in fp32 or under bf16 autocast.
-  No embedding system can beat it on this machine.
+  (random (B, F, D) tensors), so only MLPs + interaction + Adam run — in fp32 or under bf16 autocast,
+  eager or compiled as psrec's `training.compile` does (`compile_dense_model`). No embedding system
+  can beat it on this machine at the same settings.
 
 Each takes a `Workload` and the data sources and returns a result dict (see `timed_loop`). All
-inputs are turned into tensors before timing starts; `workload.warmup_steps` untimed steps come first.
+inputs are turned into tensors before timing starts; `workload.warmup_steps` untimed steps come first
+(a compiled model compiles in the first of them).
 """
 
 from __future__ import annotations
@@ -181,10 +183,16 @@ def run_torchrec(workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- (e) the dense-only ceiling -------------------------------------------------------------------
-def run_ceiling(workload: Workload, sources: dict[str, Any], *, bf16: bool = False) -> dict[str, Any]:
+def run_ceiling(
+    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, compile_model: bool = False
+) -> dict[str, Any]:
     set_threads(workload.threads)
     torch.manual_seed(workload.seed)
     model = build_dlrm(workload)
+    if compile_model:
+        from psrec.train.builders import compile_dense_model
+
+        compile_dense_model(model)
     train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=2)
     pooled = [torch.rand(b.batch_size, 26, workload.dim) * 0.1 for b in train]  # (B, F, D), pre-gathered
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)

@@ -49,6 +49,12 @@ class SparseOptimizerSpec:
     exactly). ``weight_decay`` adds ``weight_decay * w`` to the gradient of touched rows (L2, as
     torch does); FTRL regularises through ``ftrl_l1``/``ftrl_l2`` instead and rejects it.
     ``initial_accumulator_value`` starts Adagrad accumulators and FTRL's ``n``.
+
+    ``lazy=False`` steps every row of the table at each push to it, untouched rows with a zero
+    gradient (plus ``weight_decay * w``), as ``torch.optim.Adam`` does for a dense ``nn.Embedding``:
+    moments keep moving rows that were not in the batch and weight decay reaches the whole table.
+    It costs O(table rows) per push, so it is meant for small tables (reproducing dense-optimizer
+    results such as BARS/FuxiCTR); large tables want the default lazy update.
     """
 
     name: str
@@ -61,6 +67,7 @@ class SparseOptimizerSpec:
     ftrl_l1: float = 0.0
     ftrl_l2: float = 0.0
     weight_decay: float = 0.0
+    lazy: bool = True
 
     def __post_init__(self) -> None:
         _require(
@@ -83,6 +90,7 @@ class SparseOptimizerSpec:
             )
         for field in ("initial_accumulator_value", "ftrl_beta", "ftrl_l1", "ftrl_l2", "weight_decay"):
             _finite_non_negative(f"optimizer {field}", getattr(self, field))
+        _require(isinstance(self.lazy, bool), f"optimizer lazy must be true or false, got {self.lazy!r}")
         _require(
             not (self.name == "ftrl" and self.weight_decay != 0.0),
             "optimizer 'ftrl' regularises with ftrl_l1/ftrl_l2; weight_decay must be 0",
@@ -93,7 +101,7 @@ class SparseOptimizerSpec:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SparseOptimizerSpec:
-        return cls(**values)
+        return cls(**values)  # specs saved before ``lazy`` existed default to the lazy update
 
 
 @dataclass(frozen=True)

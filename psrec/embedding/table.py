@@ -229,6 +229,10 @@ class EmbeddingTable:
         if not finite:
             raise ValueError(self._message("grads contain NaN or Inf"))
         self._clock = max(self._clock, step)
+        if not self._optimizer.spec.lazy:
+            unique_rows, gradients, gradient_rows, occurrences = self._with_untouched_rows(
+                unique_rows, gradients, gradient_rows, occurrences
+            )
         if unique_rows.shape[0] == 0:
             return
         record = (self._metadata, occurrences, self._clock)
@@ -241,6 +245,22 @@ class EmbeddingTable:
             positions = np.arange(unique_rows.shape[0], dtype=np.int32)
             self._optimizer.update(scratch, positions, unique_rows, gradients, gradient_rows, *record)
             self._storage.write(unique_rows, scratch, self._index.keys[unique_rows], step, stochastic=True)
+
+    def _with_untouched_rows(
+        self, rows: np.ndarray, gradients: np.ndarray, gradient_rows: np.ndarray, occurrences: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The non-lazy update's operands: every live row, untouched ones with a zero gradient."""
+        untouched = np.setdiff1d(self._index.live_rows(sort=False), rows, assume_unique=True)
+        if untouched.shape[0] == 0:
+            return rows, gradients, gradient_rows, occurrences
+        zero_row = gradients.shape[0]
+        gradients = np.concatenate([gradients, np.zeros((1, self.dim), dtype=np.float32)])
+        return (
+            np.concatenate([rows, untouched.astype(np.int32)]),
+            gradients,
+            np.concatenate([gradient_rows, np.full(untouched.shape[0], zero_row, dtype=np.int32)]),
+            np.concatenate([occurrences, np.zeros(untouched.shape[0], dtype=np.int32)]),
+        )
 
     def set_learning_rate(self, lr: float) -> None:
         """Change the learning rate (e.g. decay on plateau); FTRL's ``alpha`` is the learning rate."""

@@ -32,6 +32,9 @@ HiddenSizes = Annotated[list[PositiveInt], Field(min_length=1)]
 
 class _ModelConfigBase(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # Initial weights of the model's Linear layers: PyTorch's default (Kaiming-uniform, a=sqrt(5)) or
+    # Xavier-normal weights with zero biases, as FuxiCTR/BARS initialise theirs.
+    dense_init: Literal["torch", "xavier_normal"] = "torch"
 
 
 class LRConfig(_ModelConfigBase):
@@ -76,6 +79,7 @@ class DLRMConfig(_ModelConfigBase):
     activation: Activation = "relu"
     batch_norm: bool = False
     dropout: Dropout = 0.0
+    interaction: Literal["dot", "cat"] = "dot"  # cat: FuxiCTR's interaction_op cat (BARS Frappe)
 
 
 class BSTConfig(_ModelConfigBase):
@@ -171,6 +175,7 @@ def build_dlrm(config: DLRMConfig, *, num_dense: int, num_sparse: int, embedding
         activation=config.activation,
         batch_norm=config.batch_norm,
         dropout=config.dropout,
+        interaction=config.interaction,
     )
 
 
@@ -219,6 +224,17 @@ def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embeddi
             f"got {num_dense}, {num_sparse}, {embedding_dim}"
         )
     sizes: dict[str, int] = {"num_dense": num_dense, "num_sparse": num_sparse, "embedding_dim": embedding_dim}
+    model = _build(config, sizes)
+    if config.dense_init == "xavier_normal":
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_normal_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+    return model
+
+
+def _build(config: ModelConfig, sizes: dict[str, int]) -> nn.Module:
     match config:
         case LRConfig():
             return build_lr(config, **sizes)

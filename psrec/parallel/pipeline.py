@@ -19,6 +19,11 @@ micro-batch losses sum to the unsplit model's mean loss and the gradients equal 
 float summation order; `tests/parallel/test_pipeline.py` checks it). Dropout draws differ per
 micro-batch, so with dropout the pipeline equals the unsplit model in distribution, not bitwise.
 
+Batches may change size (an epoch's last batch): a stage's receive buffers have fixed shapes, so
+each batch size gets its own `PipelineStage` and schedule, with as many micro-batches (up to the
+configured count) as split the batch evenly (`microbatches_for`). A replica without a batch while
+the others have one calls `skip_step`: zero gradients join the replica average.
+
 Embeddings stay on the parameter server (or collective shards): the first stage pulls rows and
 builds the `ModelInput` from leaf row tensors; after `step` their `.grad` holds the row gradients to
 push, exactly as in the unsplit step. Only the first stage of each replica talks to the tables.
@@ -279,6 +284,22 @@ def batch_normalizer(target: torch.Tensor) -> float:
     return float(target.bool().sum()) if target.ndim == 2 else float(target.shape[0])
 
 
+def microbatches_for(batch_size: int, n_microbatches: int, num_stages: int, schedule: str) -> tuple[int, str]:
+    """(micro-batches, schedule) for one batch size: the most micro-batches up to `n_microbatches` that
+    split the batch evenly (a stage's buffers have one shape), and GPipe where 1F1B would need more
+    micro-batches than stages. The arithmetic is the same either way; only the overlap differs."""
+    count = max(d for d in range(1, min(n_microbatches, batch_size) + 1) if batch_size % d == 0)
+    if schedule == "1f1b" and count < num_stages:
+        return count, "gpipe"
+    return count, schedule
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, tuple):
+        return tuple(t.detach() for t in output)
+    return output.detach() if isinstance(output, torch.Tensor) else output
+
+
 # -- the stepper ----------------------------------------------------------------------------------
 class PipelineStepper:
     """This rank's stage of a pipeline replica, plus the data-parallel average across replicas.
@@ -322,47 +343,73 @@ class PipelineStepper:
                 self.data_parallel_group = group
         self.loss_fn = MicrobatchLoss()
         self.stage_module: StageModule | None = None
-        self._schedule: Any = None
+        self._schedules: dict[int, Any] = {}  # batch size -> schedule over its own PipelineStage
+        self.last_output: Any = None  # the last stage's merged outputs of the latest step (detached)
 
-    def _build(self, inp: ModelInput | None) -> None:
+    def _build_module(self, inp: ModelInput | None) -> StageModule:
+        """This rank's `StageModule`; the first stage learns the boundary keys and tells the others."""
         replica_ranks = self.layout.pipeline_ranks(self.layout.replica_of(self.rank))
         signature = [learn_signature(self.model, inp)] if inp is not None else [None]
         dist.broadcast_object_list(signature, src=replica_ranks[0], group=self.pipeline_group)
         learned = signature[0]
         if learned is None:
             raise RuntimeError("pipeline: the first stage did not broadcast the stage signature")
-        span = self.spans[self.stage]
-        self.stage_module = StageModule(self.parts, span, len(self.parts), learned)
-        stage = PipelineStage(
-            self.stage_module,
-            self.stage,
-            self.layout.num_stages,
-            torch.device("cpu"),
-            group=self.pipeline_group,
-        )
-        self._schedule = SCHEDULES[self.schedule_name](
-            stage, self.n_microbatches, loss_fn=self.loss_fn, scale_grads=False
-        )
+        return StageModule(self.parts, self.spans[self.stage], len(self.parts), learned)
 
-    def stage_parameters(self) -> list[nn.Parameter]:
-        if self.stage_module is None:
-            raise RuntimeError("stage_parameters before the first step")
-        return list(self.stage_module.parameters())
+    def _schedule_for(self, batch_size: int) -> Any:
+        """The schedule for batches of `batch_size` (the stage's buffers have fixed shapes; one per size)."""
+        if batch_size not in self._schedules:
+            assert self.stage_module is not None
+            n_microbatches, schedule = microbatches_for(
+                batch_size, self.n_microbatches, self.layout.num_stages, self.schedule_name
+            )
+            stage = PipelineStage(
+                self.stage_module,
+                self.stage,
+                self.layout.num_stages,
+                torch.device("cpu"),
+                group=self.pipeline_group,
+            )
+            self._schedules[batch_size] = SCHEDULES[schedule](
+                stage, n_microbatches, loss_fn=self.loss_fn, scale_grads=False
+            )
+        return self._schedules[batch_size]
 
-    def step(self, inp: ModelInput | None, target: torch.Tensor | None) -> float | None:
+    def stage_parameters(self, stage: int | None = None) -> list[nn.Parameter]:
+        """The parameters of `stage` (default: this rank's), which only that stage's ranks train."""
+        span = self.spans[self.stage if stage is None else stage]
+        unique = {id(p): p for i in span for p in self.parts[i].parameters()}
+        return list(unique.values())
+
+    def stage_buffers(self, stage: int) -> list[torch.Tensor]:
+        unique = {id(b): b for i in self.spans[stage] for b in self.parts[i].buffers()}
+        return list(unique.values())
+
+    def step(
+        self, inp: ModelInput | None, target: torch.Tensor | None, *, batch_size: int | None = None
+    ) -> float | None:
         """Forward and backward of one batch; the first stage passes `inp`, the last `target`.
 
-        Returns the batch loss on the last stage (None elsewhere). Afterwards this rank's stage
-        parameters hold the replica-averaged gradients, and on the first stage the leaf tensors that
-        built `inp` hold their gradients.
+        Batches may differ in size (not in sequence length): every stage needs the batch size, which
+        the first and last stage take from `inp` / `target` and a middle stage must be given. Returns
+        the batch loss on the last stage (None elsewhere), whose outputs are kept in `last_output`.
+        Afterwards this rank's stage parameters hold the replica-averaged gradients, and on the first
+        stage the leaf tensors that built `inp` hold their gradients.
         """
         if self.is_first and inp is None:
             raise ValueError("the first stage needs the batch's ModelInput")
         if self.is_last and target is None:
             raise ValueError("the last stage needs the batch's target (labels or real-position mask)")
-        if self._schedule is None:
-            self._build(inp if self.is_first else None)
-        assert self.stage_module is not None
+        if batch_size is None:
+            if inp is not None:
+                batch_size = int(inp.dense.shape[0])
+            elif target is not None:
+                batch_size = int(target.shape[0])
+            else:
+                raise ValueError("a middle stage needs the batch size")
+        if self.stage_module is None:
+            self.stage_module = self._build_module(inp if self.is_first else None)
+        schedule = self._schedule_for(batch_size)
         for parameter in self.stage_module.parameters():
             parameter.grad = None
         losses: list[torch.Tensor] = []
@@ -370,22 +417,34 @@ class PipelineStepper:
             assert target is not None
             self.loss_fn.normalizer = max(batch_normalizer(target), 1.0)
         args = flatten_input(inp, self.stage_module.signature.input_keys) if self.is_first and inp else ()
+        # The schedule gets leaves: micro-batches are slices, and tensors built from shared rows (the
+        # client gathers every sequence from one pulled table) would be backpropagated once per slice.
+        leaves = tuple(a.detach().requires_grad_(a.requires_grad) for a in args)
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
-        self._schedule.step(*args, **kwargs)
+        output = schedule.step(*leaves, **kwargs)
+        built = [(a, leaf.grad) for a, leaf in zip(args, leaves, strict=True) if leaf.grad is not None]
+        if built:  # one backward from the input's gradients into whatever built it (the pulled rows)
+            torch.autograd.backward([a for a, _ in built], [g for _, g in built])
+        self.last_output = _detached(output) if self.is_last else None
         self._average_gradients()
         return float(sum(loss.detach() for loss in losses)) if self.is_last else None
+
+    def skip_step(self) -> None:
+        """A step without a batch on this replica (its share of the data ran out before the others'):
+        zero gradients join the replica average, so the other replicas' steps complete."""
+        for parameter in self.stage_parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        self._average_gradients()
 
     def _average_gradients(self) -> None:
         if self.layout.num_replicas == 1:
             return
-        assert self.stage_module is not None
-        grads = [
-            p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stage_module.parameters()
-        ]
+        parameters = self.stage_parameters()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.data_parallel_group)
         flat /= self.layout.num_replicas
         offset = 0
-        for parameter, grad in zip(self.stage_module.parameters(), grads, strict=True):
+        for parameter, grad in zip(parameters, grads, strict=True):
             parameter.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
             offset += grad.numel()

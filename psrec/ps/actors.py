@@ -37,14 +37,14 @@ class ShardActor:
         set_thread_counts(threads)
         from psrec.config import RunConfig
         from psrec.embedding import warmup
-        from psrec.train.builders import build_tables
+        from psrec.train.builders import build_tables, pushing_trainers
 
         run_config = RunConfig.model_validate(config)
         warmup()
         self.shard = ParameterShard(
             shard_index,
             build_tables(run_config),
-            num_trainers=run_config.ps.num_trainers,
+            num_trainers=pushing_trainers(run_config),
             mode=run_config.ps.mode,
         )
 

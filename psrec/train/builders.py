@@ -6,6 +6,8 @@ models, so every other module takes plain arguments.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -13,8 +15,11 @@ from psrec.config import InitializerConfig, RunConfig, SparseOptimizerConfig, Ta
 from psrec.embedding import AdmissionSpec, EmbeddingTable, EvictionSpec, InitializerSpec, SparseOptimizerSpec
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
-from psrec.ps.client import linear_table_name
+from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
 from psrec.ps.routing import default_bucket_map
+
+if TYPE_CHECKING:
+    from psrec.parallel.placement import Placement
 
 
 def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
@@ -40,8 +45,18 @@ def uses_linear_terms(config: RunConfig) -> bool:
 
 
 def table_specs(config: RunConfig) -> dict[str, TableConfig]:
-    """Every table a shard holds (a partition of): the schema's tables plus linear companions."""
-    specs = {name: config.table_config(name) for name in config.table_names()}
+    """Every table a shard holds (a partition of): the schema's tables plus linear companions.
+
+    ``training.embedding_l2`` (L2 on the rows a step touches, as BARS does) is applied by the shard's
+    optimizer as weight decay of the embedding tables (not the linear ones): the shard sees the union
+    of every trainer's rows of the step, so each touched row is decayed once per step whatever the
+    number of trainers (a penalty added to each trainer's loss would decay a row seen by one trainer
+    of N only 1/N as much).
+    """
+    specs = {
+        name: _with_l2(config.table_config(name), config.training.embedding_l2)
+        for name in config.table_names()
+    }
     if uses_linear_terms(config):
         for name in list(specs):
             base = specs[name]
@@ -55,6 +70,13 @@ def table_specs(config: RunConfig) -> dict[str, TableConfig]:
     return specs
 
 
+def _with_l2(spec: TableConfig, l2: float) -> TableConfig:
+    if l2 == 0:
+        return spec
+    optimizer = spec.optimizer.model_copy(update={"weight_decay": spec.optimizer.weight_decay + l2})
+    return spec.model_copy(update={"optimizer": optimizer})
+
+
 def build_tables(config: RunConfig) -> dict[str, EmbeddingTable]:
     """One shard's tables. Every shard uses the same seeds: a row's initial value depends on its id only."""
     seed = config.training.seed
@@ -62,6 +84,13 @@ def build_tables(config: RunConfig) -> dict[str, EmbeddingTable]:
         name: build_table(name, spec, seed=seed * 1_000_003 + index)
         for index, (name, spec) in enumerate(sorted(table_specs(config).items()))
     }
+
+
+def pushing_trainers(config: RunConfig) -> int:
+    """Trainers whose pushes complete a sync step on a shard: all of them, or with ``ps.pipeline`` the
+    first stage of each replica (the other stages never touch the tables)."""
+    pipeline = config.ps.pipeline
+    return config.ps.num_trainers if pipeline is None else config.ps.num_trainers // pipeline.stages
 
 
 def bucket_map(config: RunConfig) -> np.ndarray:
@@ -77,6 +106,35 @@ def build_model_for(config: RunConfig) -> torch.nn.Module:
         num_sparse=len(schema.sparse),
         embedding_dim=dims.pop() if dims else 1,
     )
+
+
+# The training contract's entry points (`psrec.models.base`): what the step and evaluation call.
+COMPILED_METHODS = ("loss", "predict")
+
+
+def compile_dense_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Compile `model`'s `loss` and `predict` in place with `torch.compile` (inductor, default mode).
+
+    The methods, not `forward`, are what the trainer calls: compiling them covers the loss head too
+    (BCE + sigmoid fuse into the graph) and SASRec, whose `loss` does not go through `forward`. The
+    module itself is unchanged, so `state_dict` keys stay as they are (no `_orig_mod.` prefix) and
+    checkpoints of compiled and eager runs are interchangeable.
+
+    Shapes: each method is first compiled for the batch size it sees; the first different size (an
+    epoch's last, smaller batch) recompiles it once with a dynamic batch dimension, which then serves
+    every size (PyTorch's automatic dynamic shapes; on CPU as fast as the static graph, measured on
+    the bench DLRM). Train and eval are separate frames; autocast and grad mode are guarded, so a run
+    compiles 2 graphs per method at most. Compiling happens lazily, at the first call (seconds), and
+    needs a C++ compiler (inductor's CPU backend).
+    """
+    for name in COMPILED_METHODS:
+        setattr(model, name, torch.compile(getattr(model, name)))
+    return model
+
+
+def maybe_compile(model: torch.nn.Module, config: RunConfig) -> torch.nn.Module:
+    """`compile_dense_model(model)` when `training.compile` is set, else `model` untouched."""
+    return compile_dense_model(model) if config.training.compile else model
 
 
 def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -98,3 +156,48 @@ def sequence_tables(config: RunConfig) -> dict[str, str]:
     if config.model.name == "sasrec" and "seq" in tables:
         tables.setdefault("candidates", tables["seq"])  # evaluation candidates are items too
     return tables
+
+
+def collective_placement(config: RunConfig, world_size: int) -> Placement:
+    """Which trainer owns which table / bucket under strategy "collective" (``ps.sharding``).
+
+    ``row_wise`` splits every table over all trainers by bucket. ``table_wise`` and ``auto`` ask the
+    sharding planner (``psrec.parallel.planner``) when every table has ``expected_rows``: it packs
+    whole tables by size (and, for ``auto``, splits row-wise the tables too large for an even share),
+    checking them against ``ps.trainer_resources.memory_gb`` when set; a plan that does not fit raises
+    ConfigError with the planner's reason. Without sizes, ``table_wise`` deals tables round-robin.
+    The result depends on the config only, so every trainer (and every restart) computes the same.
+    """
+    from psrec.config import ConfigError
+    from psrec.parallel.placement import Placement
+    from psrec.parallel.planner import Devices, PlanDoesNotFit, TableSize, plan_sharding
+
+    num_buckets = config.ps.num_buckets
+    specs = table_specs(config)
+    if config.ps.sharding == "row_wise":
+        return Placement.row_wise(world_size, num_buckets)
+    base = {name: config.table_config(name) for name in config.table_names()}
+    rows = {
+        name: base.get(name.removesuffix(LINEAR_SUFFIX), spec).expected_rows for name, spec in specs.items()
+    }
+    if any(value is None for value in rows.values()):
+        return Placement.table_wise(sorted(specs), world_size, num_buckets)
+    sizes = [
+        TableSize(
+            name,
+            rows=int(rows[name] or 0),
+            dim=spec.dim,
+            precision=spec.precision,
+            optimizer=spec.optimizer.name,
+        )
+        for name, spec in sorted(specs.items())
+    ]
+    memory_gb = config.ps.trainer_resources.memory_gb
+    devices = Devices(count=world_size, memory_bytes=int(memory_gb * 2**30) if memory_gb else 2**62)
+    try:
+        plan = plan_sharding(
+            sizes, devices, strategy="collective", sharding=config.ps.sharding, num_buckets=num_buckets
+        )
+    except PlanDoesNotFit as error:
+        raise ConfigError(f"ps.sharding {config.ps.sharding!r}: {error}") from None
+    return Placement.from_plan(plan)

@@ -267,6 +267,10 @@ class RayRuntime:
         from psrec.ps.actors import ShardActor
 
         self.config = config
+        if config.ps.strategy == "collective":
+            from psrec.train.builders import collective_placement
+
+            collective_placement(config, config.ps.num_trainers)  # a plan that does not fit fails here
         self._owns_ray = not ray.is_initialized()
         import math
         import os

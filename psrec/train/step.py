@@ -15,13 +15,29 @@ Consistency (see `psrec.ps.shard`):
 - **async** with staleness k: pushes are not waited for; the rows of the next batch are pulled
   (prefetched) before the current step runs, and a trainer never has more than k steps of its own
   pushes unacknowledged. Rows a step uses may therefore miss at most the last k steps' updates.
+
+Task parallelism (the step's stages overlap, none of it changes a result):
+
+- **input + routing**: a planner thread reads the next batches and routes them (dedup, per-shard
+  split) while the current step computes; it takes exactly the batches `run` will train on, so the
+  reader's position stays exact for checkpoints;
+- **next pull**: the next batch's pull is submitted as early as exactness allows: right after this
+  step's push with one trainer (per-caller order puts it behind the push) and in async mode, right
+  after the dense allreduce with N sync trainers (the allreduce proves every push of the step was
+  applied). The shards then apply the push and gather the next rows while the trainer runs the
+  allreduce / dense optimizer step.
+
+Phase times are those of the trainer's critical path ("plan" = waiting for a routed batch, "pull" =
+submitting + waiting for rows); work moved off it is reported as ``plan_overlapped``.
 """
 
 from __future__ import annotations
 
 import collections
+import queue
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from psrec.data.batch import Batch
-from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows, linear_table_name
+from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows
 
 
 @dataclass
@@ -41,11 +57,80 @@ class StepResult:
     row_ids: np.ndarray | None
 
 
+OVERLAPPED = "_overlapped"  # suffix of phases that ran off the trainer's critical path
+
+
 @dataclass
 class _Prefetched:
     batch: Batch
     plan: LookupPlan
     handles: list[Pending]
+
+
+class _Planner:
+    """Reads and routes up to `limit` batches on a thread, `depth` ahead of the consumer.
+
+    Exceptions of the reader (bad rows, I/O) are re-raised in the consumer, with their own type.
+    `close` stops the thread and waits for it, so the reader is never used by two threads at once.
+    """
+
+    _END = object()
+
+    def __init__(
+        self, batches: Iterator[Batch], client: EmbeddingClient, timer: PhaseTimer, limit: int
+    ) -> None:
+        self._batches = batches
+        self._client = client
+        self._timer = timer
+        self._limit = limit
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._work, name="psrec-planner", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self) -> None:
+        try:
+            for _ in range(self._limit):
+                if self._stop.is_set():
+                    return
+                start = time.perf_counter()
+                batch = next(self._batches, None)
+                if batch is None:
+                    break
+                plan = self._client.plan(batch)
+                self._timer.add("plan" + OVERLAPPED, start)
+                if not self._put((batch, plan)):
+                    return
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
+            self._put(error)
+            return
+        self._put(self._END)
+
+    def next(self) -> tuple[Batch, LookupPlan] | None:
+        """The next routed batch, or None once `limit` batches were given or the reader ran out."""
+        if not self._thread.is_alive() and self._queue.empty():
+            return None
+        item = self._queue.get()
+        if item is self._END:
+            self._queue.put(item)  # later calls see the end too
+            return None
+        if isinstance(item, BaseException):
+            self._queue.put(self._END)
+            raise item
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @dataclass
@@ -83,7 +168,6 @@ class StepRunner:
         world_size: int = 1,
         mode: str = "sync",
         staleness: int = 1,
-        embedding_l2: float = 0.0,
         grad_clip_norm: float | None = None,
         bf16: bool = False,
     ) -> None:
@@ -93,56 +177,70 @@ class StepRunner:
         self.world_size = world_size
         self.mode = mode
         self.staleness = staleness if mode == "async" else 0
-        self.embedding_l2 = embedding_l2
         self.grad_clip_norm = grad_clip_norm
         self.bf16 = bf16  # autocast the dense model; pulled rows and their gradients stay fp32
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
 
-    def _prefetch(self, batch: Batch) -> _Prefetched:
+    def _submit(self, planner: _Planner, ahead: collections.deque[_Prefetched]) -> bool:
+        """Route the next batch (already done by the planner) and submit its pull; False at the end."""
         start = time.perf_counter()
-        plan = self.client.plan(batch)
+        item = planner.next()
         start = self.timer.add("plan", start)
-        handles = self.client.submit_pull(plan, train=True)
+        if item is None:
+            return False
+        batch, plan = item
+        ahead.append(_Prefetched(batch, plan, self.client.submit_pull(plan, train=True)))
         self.timer.add("pull", start)
-        return _Prefetched(batch, plan, handles)
+        return True
 
     def run(self, batches: Iterator[Batch], *, first_step: int, max_steps: int) -> Iterator[StepResult]:
         """Train on up to `max_steps` batches from `batches`; yields one result per step."""
         self.model.train()
         ahead: collections.deque[_Prefetched] = collections.deque()
-        step = first_step
+        planner = _Planner(batches, self.client, self.timer, max_steps)
         exhausted = False
-        while step < first_step + max_steps:
-            # Async: keep `staleness` batches' pulls in flight ahead of the step being computed.
-            while (
-                not exhausted and len(ahead) <= self.staleness and len(ahead) + step - first_step < max_steps
-            ):
-                batch = next(batches, None)
-                if batch is None:
-                    exhausted = True
+        failure: BaseException | None = None  # a reader error, raised when its batch is due
+
+        def submit_next() -> None:
+            nonlocal exhausted, failure
+            # Async: `staleness` batches' pulls in flight ahead of the step being computed; sync: one.
+            try:
+                while not exhausted and len(ahead) <= self.staleness:
+                    exhausted = not self._submit(planner, ahead)
+            except Exception as error:  # noqa: BLE001 - the current step completes first
+                exhausted, failure = True, error
+
+        step = first_step
+        try:
+            while step < first_step + max_steps:
+                submit_next()
+                if failure is not None and not ahead:
+                    raise failure
+                if self.world_size > 1:
+                    # Trainers' shares may differ by a batch: all keep stepping until every one is out
+                    # of data; one that is out runs empty steps so sync shards and the allreduce complete.
+                    if not _any_across_trainers(bool(ahead)):
+                        break
+                    if not ahead:
+                        yield self._empty_step(step)
+                        step += 1
+                        continue
+                elif not ahead:
                     break
-                ahead.append(self._prefetch(batch))
-            if self.world_size > 1:
-                # Trainers' shares may differ by a batch: all keep stepping until every one is out
-                # of data; one that is out runs empty steps so sync shards and the allreduce complete.
-                if not _any_across_trainers(bool(ahead)):
-                    break
-                if not ahead:
-                    yield self._empty_step(step)
-                    step += 1
-                    continue
-            elif not ahead:
-                break
-            current = ahead.popleft()
-            start = time.perf_counter()
-            pulled = self.client.collect_pull(current.plan, current.handles)
-            self.timer.add("pull", start)
-            yield self._train(current.batch, pulled, step)
-            step += 1
+                current = ahead.popleft()
+                start = time.perf_counter()
+                pulled = self.client.collect_pull(current.plan, current.handles)
+                self.timer.add("pull", start)
+                yield self._train(current.batch, pulled, step, submit_next)
+                step += 1
+        finally:
+            planner.close()
         self.flush()
 
-    def _train(self, batch: Batch, pulled: PulledRows, step: int) -> StepResult:
+    def _train(
+        self, batch: Batch, pulled: PulledRows, step: int, submit_next: Callable[[], None]
+    ) -> StepResult:
         timer = self.timer
         start = time.perf_counter()
         inp, weights = self.client.embed(pulled, batch.dense)
@@ -150,28 +248,31 @@ class StepRunner:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
         loss, scores = loss.float(), scores.float()
-        total = loss
-        if self.embedding_l2 > 0:
-            reg = sum((w * w).sum() for name, w in weights.items() if not _is_linear(name))
-            total = loss + 0.5 * self.embedding_l2 * reg
         start = timer.add("forward", start)
         self.optimizer.zero_grad(set_to_none=True)
-        total.backward()
+        loss.backward()
         start = timer.add("backward", start)
         handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
-        if self.mode == "sync" and self.world_size > 1:
+        barrier = self.mode == "sync" and self.world_size > 1
+        if barrier:
             for handle in handles:  # the allreduce below is the barrier that makes the step complete
                 handle.result()
+            start = timer.add("push", start)
         else:
             # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
-            # so the next pull (submitted after this push) sees this push without waiting for it.
+            # so the next pull (submitted now, after this push) sees this push without waiting for it.
             self._unacknowledged.append(handles)
             while len(self._unacknowledged) > max(1, self.staleness):
                 for handle in self._unacknowledged.popleft():
                     handle.result()
-        start = timer.add("push", start)
-        allreduce_mean_(self._dense_grads(), self.world_size)
+            timer.add("push", start)
+            submit_next()  # records its own plan / pull time
+            start = time.perf_counter()
+        allreduce_mean_(self._dense_grads() + self._running_statistics(), self.world_size)
         start = timer.add("allreduce", start)
+        if barrier:
+            submit_next()  # every trainer's push of this step is applied: the next pull is exact
+            start = time.perf_counter()
         if self.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
@@ -184,7 +285,7 @@ class StepRunner:
         grads = self._dense_grads()
         for grad in grads:
             grad.zero_()
-        allreduce_mean_(grads, self.world_size)
+        allreduce_mean_(grads + self._running_statistics(), self.world_size)
         self.optimizer.step()
         empty = np.zeros(0, dtype=np.float32)
         return StepResult(step, float("nan"), empty, empty, np.zeros(0, dtype=np.int64))
@@ -199,6 +300,12 @@ class StepRunner:
                     parameter.grad = torch.zeros_like(parameter)
                 grads.append(parameter.grad)
         return grads
+
+    def _running_statistics(self) -> list[torch.Tensor]:
+        """The model's floating-point buffers (batch-norm running mean / variance), averaged with the
+        gradients: each trainer's forward updates them from its own batch only, and without the
+        average the replicas would evaluate with different statistics (DDP broadcasts rank 0's)."""
+        return [buffer for buffer in self.model.buffers() if buffer.is_floating_point()]
 
     def flush(self) -> None:
         """Wait for every outstanding push (async mode), e.g. before evaluation or a checkpoint."""
@@ -221,7 +328,3 @@ def _any_across_trainers(flag: bool) -> bool:
     value = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return bool(value.item())
-
-
-def _is_linear(table: str) -> bool:
-    return table.endswith(linear_table_name(""))

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
 from psrec.train.step import StepRunner
+
+if TYPE_CHECKING:
+    from psrec.train.pipeline_step import PipelineStepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +67,13 @@ class TrainerWorker:
         torch.manual_seed(self.config.training.seed)  # identical dense init on every trainer
         self.trainer_index = trainer_index
         self.world_size = self.config.ps.num_trainers
+        # ps.pipeline: trainers per replica; the replica's first stage reads its data and pushes
+        self.num_stages = self.config.ps.pipeline.stages if self.config.ps.pipeline else 1
         self.base_dir = Path(base_dir)
         self.sources = {
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
-        self.model = builders.build_model_for(self.config)
+        self.model = builders.maybe_compile(builders.build_model_for(self.config), self.config)
         self.optimizer = builders.build_dense_optimizer(self.config, self.model)
         # strategy "collective": this trainer holds its own partition of every table; the client
         # over it needs the process group, so it is built in `init_process_group`.
@@ -93,7 +98,7 @@ class TrainerWorker:
                     feature_tables=builders.feature_tables(self.config),
                     sequence_tables=builders.sequence_tables(self.config),
                     linear_terms=self._linear_terms(),
-                    trainer_index=trainer_index,
+                    trainer_index=trainer_index // self.num_stages,
                 )
             )
         self.step = 0
@@ -110,6 +115,23 @@ class TrainerWorker:
     def _build_runner(self, client: EmbeddingClient) -> None:
         training = self.config.training
         self.client = client
+        self.runner: StepRunner | PipelineStepRunner
+        pipeline = self.config.ps.pipeline
+        if pipeline is not None:
+            from psrec.parallel.pipeline import PipelineLayout
+            from psrec.train.pipeline_step import PipelineStepRunner
+
+            self.runner = PipelineStepRunner(
+                self.model,
+                self.optimizer,
+                client,
+                rank=self.trainer_index,
+                layout=PipelineLayout(self.world_size, pipeline.stages),
+                n_microbatches=pipeline.microbatches,
+                schedule=pipeline.schedule,
+                grad_clip_norm=training.grad_clip_norm,
+            )
+            return
         self.runner = StepRunner(
             self.model,
             self.optimizer,
@@ -117,22 +139,17 @@ class TrainerWorker:
             world_size=self.world_size,
             mode=self.config.ps.mode,
             staleness=self.config.ps.staleness,
-            embedding_l2=training.embedding_l2,
             grad_clip_norm=training.grad_clip_norm,
             bf16=training.dense_precision == "bf16",
         )
 
     def _build_collective_client(self) -> None:
         from psrec.parallel.collective import CollectiveConnection, collective_client
-        from psrec.parallel.placement import Placement
 
         assert self.local_shard is not None
         specs = builders.table_specs(self.config)
         num_buckets = self.config.ps.num_buckets
-        if self.config.ps.sharding == "table_wise":
-            placement = Placement.table_wise(sorted(specs), self.world_size, num_buckets)
-        else:
-            placement = Placement.row_wise(self.world_size, num_buckets)
+        placement = builders.collective_placement(self.config, self.world_size)
         self._collective_connection = CollectiveConnection(
             self.local_shard, placement, table_dims={name: spec.dim for name, spec in specs.items()}
         )
@@ -204,8 +221,8 @@ class TrainerWorker:
             self.config.feature_schema(),
             batch_size=training.batch_size,
             base_dir=self.base_dir,
-            shard=self.trainer_index,
-            num_shards=self.world_size,
+            shard=self.trainer_index // self.num_stages,  # a pipeline replica's stages share one
+            num_shards=self.world_size // self.num_stages,
             shuffle_buffer=training.shuffle_buffer,
             seed=training.seed * 1000 + epoch,
             position=position,

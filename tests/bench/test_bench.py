@@ -51,6 +51,24 @@ def test_summarize_takes_ratios_within_rounds() -> None:
     assert rows["ceiling"]["status"].startswith("1/2 runs failed")
 
 
+def test_fraction_of_ceiling_is_at_the_same_precision_and_compile() -> None:
+    runs = [
+        {"system": "psrec-bf16", "round": 0, "samples_per_second": 300.0},
+        {"system": "psrec-bf16-compile", "round": 0, "samples_per_second": 360.0},
+        {"system": "ceiling", "round": 0, "samples_per_second": 250.0},
+        {"system": "ceiling-bf16", "round": 0, "samples_per_second": 400.0},
+        {"system": "ceiling-bf16-compile", "round": 0, "samples_per_second": 600.0},
+    ]
+    names = [run["system"] for run in runs]
+    rows = {row["system"]: row for row in summarize(runs, names)}
+    assert rows["psrec-bf16"]["fraction_of_ceiling"] == pytest.approx(0.75)
+    assert rows["psrec-bf16-compile"]["fraction_of_ceiling"] == pytest.approx(0.6)
+    assert rows["ceiling-bf16-compile"]["fraction_of_ceiling"] == pytest.approx(1.0)
+    # Without its own ceiling in the run a system has no fraction (never the fp32 one's).
+    rows = {row["system"]: row for row in summarize(runs[:3], names[:3])}
+    assert rows["psrec-bf16"]["fraction_of_ceiling"] is None
+
+
 def test_step_profile_accounts_for_the_whole_step() -> None:
     run = {"steps": 4, "train_seconds": 2.0, "phase_seconds": {"pull": 0.4, "forward": 1.0}}
     profile = step_profile(run)

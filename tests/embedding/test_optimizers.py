@@ -82,6 +82,30 @@ def test_adam_matches_torch_adam_when_every_row_is_touched_every_step() -> None:
     np.testing.assert_allclose(_run_table(spec, batches), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_non_lazy_adam_matches_dense_torch_adam_with_weight_decay_on_partial_batches() -> None:
+    # The batches touch only some rows: lazy Adam would leave the others alone, dense torch Adam moves
+    # them with their moments and weight decay. lazy=False must reproduce the dense result.
+    spec = SparseOptimizerSpec("adam", lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.05, lazy=False)
+    batches = [(ids[:4], grads[:4]) for ids, grads in _batches(3, 8)]
+    expected = _run_torch(
+        spec,
+        batches,
+        lambda params: torch.optim.Adam(params, lr=0.01, betas=(0.9, 0.99), weight_decay=0.05),
+    )
+    np.testing.assert_allclose(_run_table(spec, batches), expected, rtol=1e-5, atol=1e-6)
+    lazy = SparseOptimizerSpec("adam", lr=0.01, beta1=0.9, beta2=0.99, weight_decay=0.05)
+    assert np.abs(_run_table(lazy, batches) - expected).max() > 1e-3
+
+
+def test_non_lazy_update_reaches_low_precision_rows() -> None:
+    spec = SparseOptimizerSpec("sgd", lr=0.5, weight_decay=0.5, lazy=False)
+    table = EmbeddingTable("decay", DIM, optimizer=spec, precision="fp16")
+    before = table.pull(_all_ids()).copy()
+    table.push(_all_ids()[:1], np.zeros((1, DIM), dtype=np.float32), step=1)
+    after = table.pull(_all_ids(), train=False)
+    np.testing.assert_allclose(after, before * 0.75, rtol=2e-3, atol=1e-6)  # w -= 0.5 * 0.5 * w
+
+
 def test_adagrad_weight_decay_matches_torch_when_every_row_is_touched() -> None:
     spec = SparseOptimizerSpec("adagrad", lr=0.1, eps=1e-10, weight_decay=0.01)
     batches = _batches(2, 5, touch_all=True)

@@ -27,3 +27,17 @@ def test_dlrm_without_dense_has_no_bottom() -> None:
     assert_gradients_reach(model, loss, [inp.pooled])
     assert model.predict(inp).shape == (4,)
     assert not DLRM.uses_linear_terms
+
+
+def test_dlrm_cat_interaction_feeds_the_concatenated_vectors_to_the_top_mlp() -> None:
+    torch.manual_seed(0)
+    model = DLRM(NUM_DENSE, NUM_SPARSE, DIM, bottom_hidden_sizes=[6], top_hidden_sizes=[7], interaction="cat")
+    inp = tiny_input()
+    assert model.interaction.output_dim == (NUM_SPARSE + 1) * DIM
+    bottom = model.bottom(inp.dense)
+    expected = torch.cat([bottom, inp.pooled.flatten(1)], dim=1)
+    torch.testing.assert_close(model.interaction(bottom, inp.pooled), expected)
+    loss, _ = model.loss(inp, torch.tensor([0.0, 1.0, 1.0, 0.0]))
+    assert_gradients_reach(model, loss, [inp.pooled])
+    no_dense = DLRM(0, NUM_SPARSE, DIM, top_hidden_sizes=[7], interaction="cat")
+    assert no_dense.interaction.output_dim == NUM_SPARSE * DIM

@@ -54,6 +54,22 @@ def test_config_values_reach_the_model() -> None:
     assert isinstance(dcn, DCNv2) and dcn.parallel is None and len(dcn.cross.weights) == 3
 
 
+def test_xavier_normal_init_zeroes_biases_and_scales_weights() -> None:
+    torch.manual_seed(0)
+    model = build_model(
+        parse_model_config({"name": "dlrm", "top_hidden_sizes": [400, 400], "dense_init": "xavier_normal"}),
+        num_dense=0,
+        num_sparse=10,
+        embedding_dim=10,
+    )
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(torch.count_nonzero(m.bias) == 0 for m in linears)
+    hidden = linears[1]  # 400 -> 400: Xavier std sqrt(2 / 800) = 0.05; PyTorch's default gives 0.029
+    assert hidden.weight.std().item() == pytest.approx(0.05, rel=0.02)
+    default = build_model(parse_model_config({"name": "dlrm"}), num_dense=0, num_sparse=10, embedding_dim=10)
+    assert [m for m in default.modules() if isinstance(m, torch.nn.Linear)][1].weight.std().item() < 0.035
+
+
 def test_bars_frappe_defaults() -> None:
     deepfm = parse_model_config({"name": "deepfm"})
     assert (deepfm.hidden_sizes, deepfm.batch_norm, deepfm.dropout) == ([400, 400, 400], True, 0.2)

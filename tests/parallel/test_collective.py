@@ -57,13 +57,13 @@ def make_batches(seed: int, count: int, size: int = BATCH) -> list[Batch]:
     return batches
 
 
-def make_model() -> torch.nn.Module:
+def make_model(batch_norm: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
-    return DeepFM(2, len(TABLES), DIM, hidden_sizes=(8,), batch_norm=False, dropout=0.0)
+    return DeepFM(2, len(TABLES), DIM, hidden_sizes=(8,), batch_norm=batch_norm, dropout=0.0)
 
 
-def make_runner(client: EmbeddingClient, world_size: int) -> StepRunner:
-    model = make_model()
+def make_runner(client: EmbeddingClient, world_size: int, batch_norm: bool = False) -> StepRunner:
+    model = make_model(batch_norm)
     return StepRunner(model, torch.optim.Adam(model.parameters(), lr=0.01), client, world_size=world_size)
 
 
@@ -73,13 +73,15 @@ def placement_for(sharding: str, world_size: int) -> Placement:
     return Placement.table_wise(list(TABLES), world_size, num_buckets=16)
 
 
-def train_collective(rank: int, world_size: int, sharding: str, batches: list[list[Batch]]) -> dict[str, Any]:
+def train_collective(
+    rank: int, world_size: int, sharding: str, batches: list[list[Batch]], batch_norm: bool = False
+) -> dict[str, Any]:
     shard = ParameterShard(rank, make_tables(), num_trainers=world_size, mode="sync")
     connection = CollectiveConnection(shard, placement_for(sharding, world_size), table_dims=table_dims())
     client = collective_client(
         connection, feature_tables={t: t for t in TABLES}, linear_terms=True, num_buckets=16
     )
-    runner = make_runner(client, world_size)
+    runner = make_runner(client, world_size, batch_norm)
     losses = [r.loss for r in runner.run(iter(batches[rank]), first_step=0, max_steps=STEPS)]
     return {
         "rows": shard.table_rows(),
@@ -179,3 +181,16 @@ def test_rank_without_a_batch_still_meets_the_exchanges() -> None:
     assert np.isnan(results[1]["losses"][-1])
     for key, value in results[0]["dense"].items():
         torch.testing.assert_close(results[1]["dense"][key], value)
+
+
+def test_batch_norm_running_statistics_are_averaged_across_ranks() -> None:
+    """Each rank's forward updates its batch norm from its own batch; the step averages them, so the
+    replicas evaluate with the same statistics (and every dense tensor stays identical)."""
+    batches = [make_batches(30 + rank, STEPS) for rank in range(2)]
+    results = run_local_group(train_collective, world_size=2, args=("row_wise", batches, True))
+    alone = train_collective(0, 1, "row_wise", [batches[0]], True)
+    means = [key for key in results[0]["dense"] if key.endswith("running_mean")]
+    assert means
+    for key, value in results[0]["dense"].items():
+        torch.testing.assert_close(results[1]["dense"][key], value)
+    assert not torch.allclose(results[0]["dense"][means[0]], alone["dense"][means[0]])

@@ -57,7 +57,6 @@ def train_and_score(rank: int, world_size: int, data_dir: str) -> dict[str, Any]
         builders.build_dense_optimizer(config, model),
         client,
         world_size=world_size,
-        embedding_l2=config.training.embedding_l2,
     )
     schema, batch = config.feature_schema(), config.training.batch_size // world_size
     start, step = time.perf_counter(), 0

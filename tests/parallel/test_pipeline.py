@@ -156,3 +156,92 @@ def test_two_replicas_of_two_stages_average_like_the_unsplit_model() -> None:
     layout = PipelineLayout(4, 2)
     results = run_local_group(run_stage, world_size=4, args=("sasrec", 2, "1f1b"))
     check(results, oracle("sasrec", [0, 1]), layout)
+
+
+def test_microbatches_split_each_batch_evenly() -> None:
+    from psrec.parallel.pipeline import microbatches_for
+
+    assert microbatches_for(8, 4, 2, "1f1b") == (4, "1f1b")
+    assert microbatches_for(10, 4, 2, "1f1b") == (2, "1f1b")  # the most up to 4 that divide 10
+    assert microbatches_for(6, 4, 2, "gpipe") == (3, "gpipe")
+    assert microbatches_for(7, 4, 2, "1f1b") == (1, "gpipe")  # 1F1B needs as many as stages
+    assert microbatches_for(2, 4, 2, "1f1b") == (2, "1f1b")
+
+
+def gathered_sasrec_input(seed: int, batch: int) -> tuple[ModelInput, torch.Tensor, torch.Tensor]:
+    """Sequences gathered from ONE leaf row table, as the PS client builds them (not leaves themselves)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(20, DIM, generator=generator).requires_grad_(True)
+    lengths = torch.randint(1, LENGTH + 1, (batch,), generator=generator)
+    mask = torch.arange(LENGTH).flip(0).unsqueeze(0) < lengths.unsqueeze(1)
+    sequences = {
+        name: rows.index_select(0, torch.randint(0, 20, (batch * LENGTH,), generator=generator)).view(
+            batch, LENGTH, DIM
+        )
+        for name in ("seq", "pos", "neg")
+    }
+    inp = ModelInput(torch.zeros(batch, 0), torch.zeros(batch, 0, DIM), None, sequences, {"seq": mask})
+    return inp, mask.float(), rows
+
+
+def run_varying_batches(rank: int, world_size: int, sizes: list[int]) -> dict[str, Any]:
+    stepper = PipelineStepper(make_sasrec(), PipelineLayout(world_size, 2), n_microbatches=4, schedule="1f1b")
+    losses, row_grads, grads = [], [], []
+    for seed, size in enumerate(sizes):
+        inp, target, rows = gathered_sasrec_input(seed, size)
+        losses.append(stepper.step(inp if stepper.is_first else None, target if stepper.is_last else None))
+        row_grads.append(rows.grad.clone() if stepper.is_first and rows.grad is not None else None)
+        grads.append({id(p): p.grad.clone() for p in stepper.stage_parameters() if p.grad is not None})
+    own = {id(p): name for name, p in stepper.model.named_parameters()}
+    return {
+        "losses": losses,
+        "rows": row_grads,
+        "grads": [{own[key]: grad for key, grad in step.items()} for step in grads],
+    }
+
+
+def test_batches_of_changing_size_from_shared_rows_equal_the_unsplit_model() -> None:
+    """Each batch size gets its own schedule (10: 2 micro-batches, 7: 1, GPipe), and the rows that
+    built several sequences get one gradient, as in the unsplit backward."""
+    sizes = [8, 10, 7, 8]
+    results = run_local_group(run_varying_batches, world_size=2, args=(sizes,))
+    model = make_sasrec()
+    for step, size in enumerate(sizes):
+        model.zero_grad(set_to_none=True)
+        inp, _, rows = gathered_sasrec_input(step, size)
+        loss, _ = model.loss(inp, None)
+        loss.backward()
+        assert results[1]["losses"][step] == pytest.approx(float(loss.detach()), rel=1e-5)
+        torch.testing.assert_close(results[0]["rows"][step], rows.grad, rtol=1e-4, atol=1e-6)
+        checked = {**results[0]["grads"][step], **results[1]["grads"][step]}
+        assert set(checked) == {name for name, p in model.named_parameters() if p.grad is not None}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(checked[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def run_skipping_replica(rank: int, world_size: int) -> dict[str, Any]:
+    layout = PipelineLayout(world_size, 2)
+    model = make_sasrec()
+    stepper = PipelineStepper(model, layout, n_microbatches=4, schedule="1f1b")
+    if layout.replica_of(rank) == 1:
+        stepper.skip_step()  # out of data: zero gradients into the average
+        inp = None
+    else:
+        inp, target = make_input("sasrec", 0)
+        stepper.step(inp if stepper.is_first else None, target if stepper.is_last else None)
+    own = {id(p) for p in stepper.stage_parameters()}
+    return {
+        "grads": {name: p.grad.clone() for name, p in model.named_parameters() if id(p) in own},
+        "inputs": input_grads(inp) if inp is not None and stepper.is_first else {},
+    }
+
+
+def test_a_replica_without_a_batch_contributes_zero_gradients() -> None:
+    results = run_local_group(run_skipping_replica, world_size=4)
+    want = oracle("sasrec", [0])  # replica 0's batch alone ...
+    for result in results:
+        for name, grad in result["grads"].items():  # ... averaged with replica 1's zeros
+            torch.testing.assert_close(grad, want["grads"][name] / 2, rtol=1e-4, atol=1e-6, msg=name)
+    for key, grad in results[0]["inputs"].items():
+        torch.testing.assert_close(grad, want["inputs"][0][key], rtol=1e-4, atol=1e-6)

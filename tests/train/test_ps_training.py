@@ -79,7 +79,13 @@ def test_ray_sync_two_trainers_equal_single_trainer_oracle(
     config = make_config(
         dataset,
         tmp_path,
-        **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.shard_resources": {"num_cpus": 0.5}},
+        # embedding L2 too: applied once per touched row and step by the shards, whatever the trainer count
+        **{
+            "ps.runtime": "ray",
+            "ps.num_trainers": 2,
+            "ps.shard_resources": {"num_cpus": 0.5},
+            "training.embedding_l2": 0.05,
+        },
     )
     steps = 6
     runtime = RayRuntime(config, base_dir=".", data_sources=dataset)
@@ -188,7 +194,7 @@ def test_two_trainers_with_uneven_shares_consume_every_row_once(
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("sharding", ["row_wise", "table_wise"])
+@pytest.mark.parametrize("sharding", ["row_wise", "table_wise", "auto"])
 def test_collective_strategy_equals_parameter_server(
     ray_cluster: None, dataset: dict[str, Any], tmp_path: Path, sharding: str
 ) -> None:
@@ -201,6 +207,7 @@ def test_collective_strategy_equals_parameter_server(
             dataset,
             tmp_path / strategy,
             **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.strategy": strategy, "ps.sharding": sharding},
+            **(_SIZED if sharding == "auto" else {}),
         )
         runtime = RayRuntime(config, base_dir=".", data_sources=dataset)
         try:
@@ -222,14 +229,64 @@ def test_collective_strategy_equals_parameter_server(
     assert co_eval["scores"].size == ps_eval["scores"].size == 6_000
 
 
+_SIZED = {  # expected sizes for sharding "auto": C3 outweighs an even share, the others do not
+    "embedding.default.expected_rows": 100,
+    "embedding.tables.C3": {
+        "dim": 4,
+        "optimizer": {"name": "rowwise_adagrad", "lr": 0.1},
+        "expected_rows": 10**6,
+    },
+}
+
+
+def test_collective_placement_follows_the_planner(dataset: dict[str, Any], tmp_path: Path) -> None:
+    config = make_config(
+        dataset,
+        tmp_path,
+        **{"ps.runtime": "ray", "ps.num_trainers": 2, "ps.strategy": "collective"},
+        **_SIZED,
+    )
+    row_wise = builders.collective_placement(config, 2)
+    assert row_wise.owner_of("C3") is None and row_wise.owner_of("C1") is None
+    auto = builders.collective_placement(
+        config.model_copy(update={"ps": config.ps.model_copy(update={"sharding": "auto"})}), 2
+    )
+    assert auto.owner_of("C3") is None  # too large for one trainer's even share: split by bucket
+    owners = [auto.owner_of(f"C{i}") for i in range(1, 27) if i != 3]
+    assert set(owners) == {0, 1} and abs(owners.count(0) - owners.count(1)) <= 1  # small ones packed
+    table_wise = builders.collective_placement(
+        config.model_copy(update={"ps": config.ps.model_copy(update={"sharding": "table_wise"})}), 2
+    )
+    assert table_wise.owner_of("C3") in (0, 1)
+
+
+def test_collective_auto_sharding_needs_sizes_and_memory(dataset: dict[str, Any], tmp_path: Path) -> None:
+    collective = {
+        "ps.runtime": "ray",
+        "ps.num_trainers": 2,
+        "ps.strategy": "collective",
+        "ps.sharding": "auto",
+    }
+    with pytest.raises(ConfigError, match="expected_rows"):
+        make_config(dataset, tmp_path, **collective)
+    tight = make_config(
+        dataset, tmp_path, **collective, **_SIZED, **{"ps.trainer_resources.memory_gb": 0.001}
+    )
+    with pytest.raises(ConfigError, match="ps.sharding 'auto'"):
+        builders.collective_placement(tight, 2)
+
+
 def test_profile_table_lists_phases_by_share() -> None:
     from psrec.train.cli import format_profile
 
-    text = format_profile({"steps": 10, "phase_seconds": {"forward": 1.0, "backward": 3.0}})
+    text = format_profile(
+        {"steps": 10, "phase_seconds": {"forward": 1.0, "backward": 3.0, "plan_overlapped": 0.5}}
+    )
     lines = text.splitlines()
     assert lines[1].startswith("backward") and "75.0%" in lines[1]
     assert lines[2].startswith("forward") and "100.00" in lines[2]  # 1 s over 10 steps = 100 ms/step
-    assert lines[-1].startswith("total")
+    assert lines[3].startswith("total") and "4.00" in lines[3]  # overlapped work is not added
+    assert lines[4].startswith("plan_overlapped") and "in parallel" in lines[4]
 
 
 @pytest.mark.ray

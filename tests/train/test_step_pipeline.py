@@ -1,0 +1,118 @@
+"""The step's task parallelism (planner thread, early next pull) changes no result and reads no extra batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from psrec.data.batch import Batch
+from psrec.data.errors import BadRowError
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
+from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.shard import ParameterShard
+from psrec.train import builders
+from psrec.train.step import OVERLAPPED, StepRunner
+from tests.conftest import small_run_config
+
+
+def _setup(config: Any) -> tuple[StepRunner, list[ParameterShard]]:
+    torch.manual_seed(config.training.seed)
+    shards = [ParameterShard(i, builders.build_tables(config)) for i in range(2)]
+    model = builders.build_model_for(config)
+    client = EmbeddingClient(
+        [LocalConnection(shard) for shard in shards],
+        builders.bucket_map(config),
+        table_dims={n: s.dim for n, s in builders.table_specs(config).items()},
+        feature_tables=builders.feature_tables(config),
+    )
+    runner = StepRunner(model, builders.build_dense_optimizer(config, model), client)
+    return runner, shards
+
+
+def _batches(config: Any, sources: dict[str, Any], count: int) -> list[Batch]:
+    reader = open_reader(
+        DataSource.model_validate(sources["train"]),
+        config.feature_schema(),
+        batch_size=config.training.batch_size,
+        seed=0,
+    )
+    batches = [batch for _, batch in zip(range(count), reader, strict=False)]
+    reader.close()
+    return batches
+
+
+class _Counting:
+    def __init__(self, batches: list[Batch], fail_at: int | None = None) -> None:
+        self.batches = iter(batches)
+        self.taken = 0
+        self.fail_at = fail_at
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.taken == self.fail_at:
+            raise BadRowError("train.csv", "line 7", "bad row", "1\tx")
+        batch = next(self.batches)
+        self.taken += 1
+        return batch
+
+
+def test_pipelined_steps_equal_plain_sequential_steps(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    config = small_run_config(synthetic_sources, tmp_path)
+    batches = _batches(config, synthetic_sources, 8)
+    runner, shards = _setup(config)
+    losses = [result.loss for result in runner.run(iter(batches), first_step=0, max_steps=8)]
+
+    # The oracle: pull, forward/backward, push and dense step one batch after the other, no overlap.
+    oracle, oracle_shards = _setup(config)
+    oracle_losses = []
+    for step, batch in enumerate(batches):
+        pulled = oracle.client.pull(oracle.client.plan(batch), train=True)
+        inp, weights = oracle.client.embed(pulled, batch.dense)
+        loss, _ = oracle.model.loss(inp, torch.from_numpy(batch.labels.copy()))  # type: ignore[operator]
+        oracle.optimizer.zero_grad()
+        loss.backward()
+        for handle in oracle.client.submit_push(pulled.plan, weights, step=step):
+            handle.result()
+        oracle.optimizer.step()
+        oracle_losses.append(float(loss.detach()))
+    np.testing.assert_allclose(losses, oracle_losses, rtol=1e-6)
+    for shard, oracle_shard in zip(shards, oracle_shards, strict=True):
+        for table, (ids, rows) in oracle_shard.table_rows().items():
+            np.testing.assert_array_equal(shard.table_rows()[table][0], ids)
+            np.testing.assert_array_equal(shard.table_rows()[table][1], rows)
+    assert runner.timer.seconds["plan" + OVERLAPPED] > 0
+
+
+def test_planner_takes_exactly_the_batches_it_trains_on(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    config = small_run_config(synthetic_sources, tmp_path)
+    source = _Counting(_batches(config, synthetic_sources, 10))
+    runner, _ = _setup(config)
+    assert len(list(runner.run(source, first_step=0, max_steps=3))) == 3
+    assert source.taken == 3  # the reader's position stays exact for a checkpoint taken now
+    assert len(list(runner.run(source, first_step=3, max_steps=100))) == 7
+    assert source.taken == 10
+
+
+def test_reader_errors_reach_the_caller_with_their_type(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    config = small_run_config(synthetic_sources, tmp_path)
+    source = _Counting(_batches(config, synthetic_sources, 10), fail_at=2)
+    runner, _ = _setup(config)
+    steps = []
+    with pytest.raises(BadRowError, match="train.csv"):
+        for result in runner.run(source, first_step=0, max_steps=10):
+            steps.append(result.step)
+    assert steps == [0, 1]
