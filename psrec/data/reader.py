@@ -29,8 +29,6 @@ Typical use, one reader per epoch::
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from psrec.data.background import BackgroundIterator
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, prepare_table, table_to_batch
@@ -186,14 +185,6 @@ def batches(
         yield pa.concat_tables(pending), position
 
 
-class _Failure:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_END = object()
-
-
 class BatchReader:
     """Iterable of `Batch`; `position()`, `stats()`, `close()` (also a context manager)."""
 
@@ -214,9 +205,7 @@ class BatchReader:
         self._rows = 0
         self._batches = 0
         self._started = False
-        self._stop = threading.Event()
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(prefetch, 1))
-        self._thread: threading.Thread | None = None
+        self._background: BackgroundIterator[tuple[Batch, dict[str, Any]]] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         if self._started:
@@ -235,36 +224,12 @@ class BatchReader:
             for batch, position in self._produce():
                 yield self._deliver(batch, position)
             return
-        self._thread = threading.Thread(target=self._run, name="psrec-prefetch", daemon=True)
-        self._thread.start()
+        self._background = BackgroundIterator(self._produce, depth=self._prefetch, name="psrec-prefetch")
         try:
-            while True:
-                item = self._queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, _Failure):
-                    raise item.error
-                yield self._deliver(*item)
+            for batch, position in self._background:
+                yield self._deliver(batch, position)
         finally:  # the consumer stopped early (or the generator was collected): stop the thread
             self.close()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for item in self._produce():
-                if self._stop.is_set() or not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as error:  # handed to the consumer, raised there
-            self._put(_Failure(error))
 
     def position(self) -> dict[str, Any]:
         """JSON-serialisable position after the last batch delivered (pass to `open_reader`)."""
@@ -287,14 +252,9 @@ class BatchReader:
 
     def close(self) -> None:
         """Stop the prefetch thread (safe to call twice)."""
-        self._stop.set()
-        if self._thread is not None:
-            while self._thread.is_alive():
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    self._thread.join(timeout=0.05)
-            self._thread = None
+        if self._background is not None:
+            self._background.close()
+            self._background = None
 
     def __enter__(self) -> BatchReader:
         return self

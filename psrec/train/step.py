@@ -34,8 +34,6 @@ submitting + waiting for rows); work moved off it is reported as ``plan_overlapp
 from __future__ import annotations
 
 import collections
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from psrec.data.background import BackgroundIterator
 from psrec.data.batch import Batch
 from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows
 
@@ -68,69 +67,33 @@ class _Prefetched:
 
 
 class _Planner:
-    """Reads and routes up to `limit` batches on a thread, `depth` ahead of the consumer.
+    """Reads and routes up to `limit` batches on a thread, two ahead of the consumer.
 
     Exceptions of the reader (bad rows, I/O) are re-raised in the consumer, with their own type.
     `close` stops the thread and waits for it, so the reader is never used by two threads at once.
     """
 
-    _END = object()
-
     def __init__(
         self, batches: Iterator[Batch], client: EmbeddingClient, timer: PhaseTimer, limit: int
     ) -> None:
-        self._batches = batches
-        self._client = client
-        self._timer = timer
-        self._limit = limit
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._work, name="psrec-planner", daemon=True)
-        self._thread.start()
-
-    def _put(self, item: object) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self) -> None:
-        try:
-            for _ in range(self._limit):
-                if self._stop.is_set():
-                    return
+        def plans() -> Iterator[tuple[Batch, LookupPlan]]:
+            for _ in range(limit):
                 start = time.perf_counter()
-                batch = next(self._batches, None)
+                batch = next(batches, None)
                 if batch is None:
-                    break
-                plan = self._client.plan(batch)
-                self._timer.add("plan" + OVERLAPPED, start)
-                if not self._put((batch, plan)):
                     return
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
-            self._put(error)
-            return
-        self._put(self._END)
+                plan = client.plan(batch)
+                timer.add("plan" + OVERLAPPED, start)
+                yield batch, plan
+
+        self._plans = BackgroundIterator(plans, depth=2, name="psrec-planner")
 
     def next(self) -> tuple[Batch, LookupPlan] | None:
         """The next routed batch, or None once `limit` batches were given or the reader ran out."""
-        if not self._thread.is_alive() and self._queue.empty():
-            return None
-        item = self._queue.get()
-        if item is self._END:
-            self._queue.put(item)  # later calls see the end too
-            return None
-        if isinstance(item, BaseException):
-            self._queue.put(self._END)
-            raise item
-        return item  # type: ignore[return-value]
+        return next(self._plans, None)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._plans.close()
 
 
 @dataclass

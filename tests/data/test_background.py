@@ -1,0 +1,67 @@
+"""BackgroundIterator: order, bounded read-ahead, errors re-raised with their type, clean close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from psrec.data.background import BackgroundIterator
+from psrec.data.errors import BadRowError
+
+
+def _alive(name: str) -> bool:
+    return any(thread.name == name for thread in threading.enumerate())
+
+
+def test_items_arrive_in_order_and_the_source_runs_at_most_depth_ahead() -> None:
+    produced: list[int] = []
+
+    def source() -> Iterator[int]:
+        for i in range(10):
+            produced.append(i)
+            yield i
+
+    items = BackgroundIterator(source, depth=2, name="bg-order")
+    assert next(items) == 0
+    time.sleep(0.2)
+    assert len(produced) <= 1 + 2 + 1  # the one consumed, two queued, one waiting to be queued
+    assert list(items) == list(range(1, 10))
+    items.close()
+    assert not _alive("bg-order")
+
+
+def test_a_source_error_is_raised_in_the_consumer_after_the_items_before_it() -> None:
+    def source() -> Iterator[int]:
+        yield 1
+        raise BadRowError("a.csv", "line 3", "bad")
+
+    items = BackgroundIterator(source, depth=2, name="bg-error")
+    assert next(items) == 1
+    with pytest.raises(BadRowError, match="a.csv, line 3"):
+        next(items)
+    assert next(items, None) is None
+    items.close()
+
+
+def test_close_stops_a_producer_blocked_on_a_full_queue_and_wakes_a_waiting_consumer() -> None:
+    items = BackgroundIterator(lambda: iter(range(10**9)), depth=1, name="bg-close")
+    time.sleep(0.1)
+    items.close()
+    assert not _alive("bg-close")
+    assert next(items, None) is None
+
+    # A consumer waiting on a source that never yields returns once that producer stops.
+    release = threading.Event()
+
+    def slow() -> Iterator[int]:
+        release.wait()
+        return
+        yield
+
+    waiting = BackgroundIterator(slow, depth=1, name="bg-slow")
+    threading.Timer(0.1, release.set).start()
+    assert next(waiting, None) is None
+    waiting.close()
