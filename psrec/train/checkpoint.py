@@ -479,8 +479,10 @@ def resolve_restore_chain(
     config: dict[str, Any],
     ignore_fields: Collection[str] = (),
     normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    at_step: int | None = None,
 ) -> list[CheckpointRef]:
-    """The chain to resume from, ``[full, delta1, ..., deltaN]``, or ``[]`` when there is none.
+    """The chain to resume from, ``[full, delta1, ..., deltaN]``, or ``[]`` when there is none
+    (with ``at_step``: the chain of the newest valid checkpoint of that step).
 
     Picks the newest checkpoint whose chain is complete and checksum-valid, logging a warning for each
     newer one it skips. Raises `ConfigMismatchError` if that chain was written with a config that
@@ -491,7 +493,7 @@ def resolve_restore_chain(
     refs, broken = _scan(Path(run_dir))
     for path, reason in broken:
         logger.warning("skipping checkpoint %s: %s", path.name, reason)
-    decision = choose_restore_chain(refs, _cached_problems(checksums=True))
+    decision = choose_restore_chain(refs, _cached_problems(checksums=True), at_step=at_step)
     for ref, reason in decision.skipped:
         logger.warning("skipping checkpoint %s: %s", ref.name, reason)
     if not decision.chain:
@@ -521,18 +523,23 @@ def resolve_restore_chain(
 
 
 def apply_retention(
-    run_dir: str | os.PathLike[str], *, keep_last: int, verify_checksums: bool = True
+    run_dir: str | os.PathLike[str],
+    *,
+    keep_last: int,
+    verify_checksums: bool = True,
+    pinned_step: int | None = None,
 ) -> list[Path]:
     """Delete checkpoints older than the newest ``keep_last`` restorable chains (`choose_retention`),
     plus leftovers of torn writes (temporary directories, directories never committed), so never call
     it while a checkpoint is pending (between `begin_checkpoint` and its commit). Returns the deleted
     paths. Checksums are verified newest first until ``keep_last`` restorable chains are found (cost:
     reading those files); ``verify_checksums=False`` judges by file presence and size only.
+    ``pinned_step`` keeps the chain of that step's newest checkpoint too (the best model).
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
     refs, broken = _scan(Path(run_dir))
     problem_of = _cached_problems(checksums=verify_checksums)
-    decision = choose_retention(refs, keep_last=keep_last, problem_of=problem_of)
+    decision = choose_retention(refs, keep_last=keep_last, problem_of=problem_of, pinned_step=pinned_step)
     doomed = [ref.path for ref in decision.delete]
     for path, _ in broken:
         step = int(path.name.split("-")[1])

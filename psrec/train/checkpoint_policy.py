@@ -119,15 +119,20 @@ class RestoreDecision:
 
 
 def choose_restore_chain(
-    refs: Sequence[CheckpointRef], problem_of: Callable[[CheckpointRef], str | None]
+    refs: Sequence[CheckpointRef],
+    problem_of: Callable[[CheckpointRef], str | None],
+    *,
+    at_step: int | None = None,
 ) -> RestoreDecision:
-    """The newest checkpoint whose whole chain is present and valid (``problem_of(member)`` is None).
+    """The newest checkpoint whose whole chain is present and valid (``problem_of(member)`` is None);
+    with ``at_step``, the newest such checkpoint of that step (e.g. the best model's).
 
     ``problem_of`` is asked lazily, newest first, so a caller that verifies checksums in it only reads
     the checkpoints it needs.
     """
     skipped: list[tuple[CheckpointRef, str]] = []
-    for ref in sorted(refs, key=checkpoint_order, reverse=True):
+    candidates = [ref for ref in refs if at_step is None or ref.step == at_step]
+    for ref in sorted(candidates, key=checkpoint_order, reverse=True):
         chain = checkpoint_chain(ref, refs)
         if isinstance(chain, str):
             skipped.append((ref, chain))
@@ -148,11 +153,16 @@ class RetentionDecision:
 
 
 def choose_retention(
-    refs: Sequence[CheckpointRef], *, keep_last: int, problem_of: Callable[[CheckpointRef], str | None]
+    refs: Sequence[CheckpointRef],
+    *,
+    keep_last: int,
+    problem_of: Callable[[CheckpointRef], str | None],
+    pinned_step: int | None = None,
 ) -> RetentionDecision:
     """Keep the newest ``keep_last`` restorable chains (counted by their full checkpoint) and everything
     newer than the oldest of them; delete the rest. Deletes nothing when no chain is restorable, so the
-    only valid checkpoint, and any full checkpoint a kept delta needs, always stays.
+    only valid checkpoint, and any full checkpoint a kept delta needs, always stays. ``pinned_step``
+    also keeps the newest restorable chain of that step (the best model under early stopping).
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, got {keep_last}")
@@ -168,7 +178,14 @@ def choose_retention(
     if not roots:
         return RetentionDecision(delete=[], keep_from_step=None)
     oldest = min(roots, key=checkpoint_order)
+    pinned = set()
+    if pinned_step is not None:
+        pinned = {
+            ref.checkpoint_id for ref in choose_restore_chain(refs, problem_of, at_step=pinned_step).chain
+        }
     delete = [
-        ref for ref in sorted(refs, key=checkpoint_order) if checkpoint_order(ref) < checkpoint_order(oldest)
+        ref
+        for ref in sorted(refs, key=checkpoint_order)
+        if checkpoint_order(ref) < checkpoint_order(oldest) and ref.checkpoint_id not in pinned
     ]
     return RetentionDecision(delete=delete, keep_from_step=oldest.step)

@@ -392,7 +392,15 @@ class Driver:
         )
         self.last_checkpoint, self.last_parent = ref, parent
         self.since_full = 0 if kind == "full" else self.since_full + 1
-        checkpoint.apply_retention(self.run_dir, keep_last=settings.keep_last, verify_checksums=False)
+        checkpoint.apply_retention(
+            self.run_dir, keep_last=settings.keep_last, verify_checksums=False, pinned_step=self._best_step()
+        )
+
+    def _best_step(self) -> int | None:
+        """The best model's step under early stopping (its checkpoint is kept for the final evaluation)."""
+        if self.config.training.early_stopping is None or self.state.best_step < 0:
+            return None
+        return self.state.best_step
 
     def _chain(self) -> list[Any]:
         return checkpoint.resolve_restore_chain(
@@ -443,15 +451,40 @@ class Driver:
         logger.warning("recovered in %.1f s: continuing from step %d", seconds, self.state.step)
 
     # -- the end -------------------------------------------------------------------------------
+    def _restore_best_model(self) -> str:
+        """Load the best model for the final evaluation; says where it came from.
+
+        "memory" (the snapshot taken when it was evaluated), "checkpoint NAME" (after a restart the
+        snapshot is gone, but its step's checkpoint was kept by retention), "last" (no early
+        stopping: the final model is evaluated) or "lost" (no checkpoint at the best step, e.g. the
+        best came from a mid-epoch evaluation between checkpoints: the last model is evaluated).
+        """
+        best_step = self._best_step()
+        if best_step is None:
+            return "last"
+        if self.best_snapshot:
+            self.runtime.restore_snapshot("best")
+            return "memory"
+        chain: list[Any] = []
+        if self.config.checkpoint.enabled:
+            chain = checkpoint.resolve_restore_chain(
+                self.run_dir,
+                config=self.config.fingerprint_dict(),
+                normalize=_normalized_fingerprint,
+                at_step=best_step,
+            )
+        if not chain:
+            logger.warning(
+                "the best model (step %d) was lost in a restart: evaluating the last one", best_step
+            )
+            return "lost"
+        self.runtime.restore(chain)
+        logger.info("the best model (step %d) restored from checkpoint %s", best_step, chain[-1].name)
+        return f"checkpoint {chain[-1].name}"
+
     def _finish(self) -> dict[str, Any]:
         state = self.state
-        if self.config.training.early_stopping is not None and state.best_step >= 0:
-            if self.best_snapshot:
-                self.runtime.restore_snapshot("best")
-            else:
-                logger.warning(
-                    "the best model (step %d) was lost in a restart: evaluating the last one", state.best_step
-                )
+        best_model = self._restore_best_model()
         consumed = [ids for _, ids in state.consumed]
         summary: dict[str, Any] = {
             "steps": state.step,
@@ -460,6 +493,7 @@ class Driver:
             "train_seconds": self.train_seconds,
             "samples_per_second": state.samples / max(self.train_seconds, 1e-9),
             "best_step": state.best_step,
+            "best_model": best_model,
             "history": state.history,
             "phase_seconds": self.phase_seconds,
             "bytes_pulled_per_sample": self.bytes_pulled / max(1, state.samples),

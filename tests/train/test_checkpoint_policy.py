@@ -128,6 +128,20 @@ def test_choose_retention() -> None:
     assert choose_retention([F1, D1, stale, D2], keep_last=1, problem_of=valid_except()).delete == []
 
 
+def test_retention_keeps_the_pinned_chain_and_restore_finds_it_by_step() -> None:
+    refs = [F1, D1, D2, F2, D3]
+    # The best model at step 20: its chain [F1, D1] stays, D2 (not needed by it) goes.
+    assert choose_retention(refs, keep_last=1, problem_of=valid_except(), pinned_step=20).delete == [D2]
+    assert choose_restore_chain(refs, valid_except(), at_step=20).chain == [F1, D1]
+    assert choose_restore_chain(refs, valid_except(), at_step=25).chain == []
+    # A pinned step whose chain is invalid pins nothing.
+    assert choose_retention(refs, keep_last=1, problem_of=valid_except("D1"), pinned_step=20).delete == [
+        F1,
+        D1,
+        D2,
+    ]
+
+
 @st.composite
 def histories(draw: st.DrawFn) -> tuple[list[CheckpointRef], set[str]]:
     """Random checkpoint histories, including stale branches and dangling parents, with random corruption."""

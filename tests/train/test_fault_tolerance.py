@@ -124,3 +124,31 @@ def test_checkpoint_config_from_an_older_schema_is_normalised(
     del saved["ps"]["strategy"]
     assert saved != config.fingerprint_dict()
     assert _normalized_fingerprint(saved) == config.fingerprint_dict()
+
+
+def test_the_best_model_survives_a_restart_through_its_kept_checkpoint(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """Early stopping keeps the best model in memory; after a restart it comes from its checkpoint,
+    which retention keeps even when newer chains would have pushed it out (keep_last=1)."""
+    settings = {
+        "training.epochs": 2,
+        "training.early_stopping": {"metric": "auc", "patience": 5},
+        "checkpoint.every_steps": 20,
+        "checkpoint.full_every": 2,
+        "checkpoint.keep_last": 1,
+    }
+    first = train(small_run_config(synthetic_sources, tmp_path, **settings, **{"training.max_steps": 150}))
+    assert first["best_step"] == 94  # the one validation so far: the end of epoch 1 (94 batches of 256)
+    names = [path.name for path in (tmp_path / "checkpoints").iterdir()]
+    assert any(name.startswith("ckpt-000000094") for name in names), names  # pinned by retention
+    assert any(name.startswith("ckpt-000000140") for name in names), names
+    (tmp_path / "summary.json").unlink()  # as if the driver had died at step 150
+    # Resume with one epoch (epochs are not part of the fingerprint): nothing left to train, so the
+    # final evaluation needs the best model, whose in-memory snapshot died with the first driver.
+    resumed = train(
+        small_run_config(synthetic_sources, tmp_path, **(settings | {"training.epochs": 1})), resume=True
+    )
+    assert resumed["best_model"].startswith("checkpoint ckpt-000000094")
+    best = next(entry for entry in resumed["history"] if entry["step"] == 94)
+    assert resumed["validation"]["auc"] == pytest.approx(best["auc"], abs=1e-9)
