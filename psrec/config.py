@@ -157,6 +157,11 @@ class PSConfig(_Strict):
     num_shards: int = Field(2, ge=1)
     num_buckets: int = Field(1024, ge=1)
     mode: Literal["sync", "async"] = "sync"
+    wire_precision: Literal["fp32", "fp16"] = Field(
+        "fp32",
+        description="rows pulled from / gradients pushed to shard actors: fp16 halves the bytes "
+        "(gradients with a per-row scale); in-process shards are not serialised and ignore it",
+    )
     staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
     trainer_resources: ResourcesConfig = ResourcesConfig()
     shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)

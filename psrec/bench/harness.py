@@ -118,6 +118,11 @@ _SYSTEMS = [
         env=tuple(PASSIVE.items()),
     ),
     System(
+        "psrec-ray-fp16",
+        "psrec Ray 1x2, fp16 wire (ps.wire_precision)",
+        partial(psrec_systems.run_psrec, runtime="ray", wire_precision="fp16"),
+    ),
+    System(
         "psrec-t1",
         "psrec in-process, 1 thread",
         partial(psrec_systems.run_psrec, runtime="local", trainer_threads=1),

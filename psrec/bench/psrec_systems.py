@@ -50,6 +50,7 @@ def bench_config(
     shard_threads: int = 1,
     dense_precision: str = "fp32",
     compile_model: bool = False,
+    wire_precision: str = "fp32",
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload."""
     chunk = max(1, workload.warmup_steps)
@@ -84,6 +85,7 @@ def bench_config(
             "num_trainers": num_trainers,
             "num_shards": num_shards,
             "mode": "sync",
+            "wire_precision": wire_precision,
             "trainer_resources": {"num_cpus": 1, "threads": trainer_threads},
             "shard_resources": {"num_cpus": 0.5, "threads": shard_threads},
         },
@@ -179,6 +181,7 @@ def run_psrec(
     omp_passive: bool = False,
     dense_precision: str = "fp32",
     compile_model: bool = False,
+    wire_precision: str = "fp32",
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -204,6 +207,7 @@ def run_psrec(
                 shard_threads=shard_threads,
                 dense_precision=dense_precision,
                 compile_model=compile_model,
+                wire_precision=wire_precision,
             ),
             source="<bench>",
         )

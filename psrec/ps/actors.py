@@ -14,6 +14,7 @@ import numpy as np
 
 from psrec.ps.client import Pending
 from psrec.ps.shard import ParameterShard, TableGradients
+from psrec.ps.wire import decode_gradients, encode_rows
 
 
 def set_thread_counts(threads: int) -> None:
@@ -40,6 +41,7 @@ class ShardActor:
         from psrec.train.builders import build_tables, pushing_trainers
 
         run_config = RunConfig.model_validate(config)
+        self.wire_precision = run_config.ps.wire_precision
         warmup()
         self.shard = ParameterShard(
             shard_index,
@@ -52,10 +54,12 @@ class ShardActor:
         return os.getpid()
 
     def pull(self, requests: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
-        return self.shard.pull(requests, train=train)
+        rows = self.shard.pull(requests, train=train)
+        return {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
-        return self.shard.push(trainer, request_id, step, gradients)
+        decoded = {name: (ids, decode_gradients(grads)) for name, (ids, grads) in gradients.items()}
+        return self.shard.push(trainer, request_id, step, decoded)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one of ParameterShard's maintenance methods (stats, evict, snapshots, learning rate)."""

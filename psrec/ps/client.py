@@ -29,6 +29,7 @@ from psrec.data.batch import Batch
 from psrec.models.base import ModelInput
 from psrec.ps.routing import Routed, route
 from psrec.ps.shard import ParameterShard, TableGradients
+from psrec.ps.wire import check_precision, decode_rows, encode_gradients
 
 LINEAR_SUFFIX = "__linear"
 
@@ -115,7 +116,9 @@ class EmbeddingClient:
         sequence_tables: dict[str, str] | None = None,
         linear_terms: bool = False,
         trainer_index: int = 0,
+        wire_precision: str = "fp32",
     ) -> None:
+        check_precision(wire_precision)
         if int(bucket_to_shard.max()) + 1 != len(connections):
             raise ValueError(
                 f"bucket map names {int(bucket_to_shard.max()) + 1} shards but {len(connections)} are connected"
@@ -127,6 +130,7 @@ class EmbeddingClient:
         self.sequence_tables = dict(sequence_tables or {})
         self.linear_terms = linear_terms
         self.trainer_index = trainer_index
+        self.wire_precision = wire_precision  # of pushed gradients; shards encode pulled rows (psrec.ps.wire)
         self.bytes_pulled = 0
         self.bytes_pushed = 0
 
@@ -217,7 +221,7 @@ class EmbeddingClient:
             empty = np.zeros((0, dim), np.float32)
             parts = [reply.get(name, empty) for reply in replies]
             nbytes += sum(part.nbytes for part in parts)
-            rows[name] = routed.gather(parts)
+            rows[name] = routed.gather([decode_rows(part) for part in parts])
         self.bytes_pulled += nbytes
         return PulledRows(plan, rows, nbytes)
 
@@ -315,7 +319,8 @@ class EmbeddingClient:
             routed = plan.routed[source]
             for shard, part in enumerate(routed.split(grad_np)):
                 if part.shape[0]:
-                    per_shard[shard][name] = (routed.ids_per_shard[shard], np.ascontiguousarray(part))
+                    encoded = encode_gradients(np.ascontiguousarray(part), self.wire_precision)
+                    per_shard[shard][name] = (routed.ids_per_shard[shard], encoded)  # type: ignore[assignment]
         handles = []
         for connection, gradients in zip(self.connections, per_shard, strict=True):
             self.bytes_pushed += sum(ids.nbytes + grads.nbytes for ids, grads in gradients.values())

@@ -59,7 +59,7 @@ def table_specs(config: RunConfig) -> dict[str, TableConfig]:
     }
     if uses_linear_terms(config):
         for name in list(specs):
-            base = specs[name]
+            base = config.table_config(name)  # without embedding_l2: the linear tables are exempt
             specs[linear_table_name(name)] = TableConfig(
                 dim=1,
                 optimizer=config.embedding.linear_optimizer or base.optimizer,

@@ -90,6 +90,7 @@ class TrainerWorker:
             connections: list[ShardConnection] = [
                 LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
             ]
+            local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
             self._build_runner(
                 EmbeddingClient(
                     connections,
@@ -97,6 +98,7 @@ class TrainerWorker:
                     table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
                     feature_tables=builders.feature_tables(self.config),
                     sequence_tables=builders.sequence_tables(self.config),
+                    wire_precision=self.config.ps.wire_precision if not local else "fp32",
                     linear_terms=self._linear_terms(),
                     trainer_index=trainer_index // self.num_stages,
                 )

@@ -13,7 +13,7 @@ from psrec.config import ConfigError, RunConfig, parse_config
 from psrec.data.batch import concat_batches
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
-from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.client import EmbeddingClient, LocalConnection, linear_table_name
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
 from psrec.train.loop import train
@@ -133,6 +133,22 @@ def test_ray_async_trains_and_leaves_no_processes(
         time.sleep(0.1)
     assert not alive, f"actor processes still alive: {alive}"
     del os
+
+
+@pytest.mark.ray
+def test_fp16_wire_trains_like_fp32_with_about_half_the_bytes(
+    ray_cluster: None, dataset: dict[str, Any], tmp_path: Path
+) -> None:
+    summaries = {
+        wire: train(make_config(dataset, tmp_path / wire, **{"ps.runtime": "ray", "ps.wire_precision": wire}))
+        for wire in ("fp32", "fp16")
+    }
+    fp32, fp16 = summaries["fp32"], summaries["fp16"]
+    assert fp16["rows_consumed_unique"] == 24_000
+    assert fp16["validation"]["auc"] == pytest.approx(fp32["validation"]["auc"], abs=0.005)
+    # rows: 4 fp32 values -> 4 fp16 (half); gradients: half plus a 4-byte scale per row; ids unchanged
+    assert fp16["bytes_pulled_per_sample"] == pytest.approx(fp32["bytes_pulled_per_sample"] / 2, rel=0.01)
+    assert fp16["bytes_pushed_per_sample"] < 0.9 * fp32["bytes_pushed_per_sample"]
 
 
 def _alive(pid: int) -> bool:
@@ -312,3 +328,16 @@ def test_ray_single_trainer_sync_equals_in_process(
     for table, (ids, values) in local_rows.items():
         np.testing.assert_array_equal(ray_rows[table][0], ids)
         np.testing.assert_array_equal(ray_rows[table][1], values)
+
+
+def test_embedding_l2_becomes_the_embedding_tables_weight_decay_not_the_linear_ones(
+    dataset: dict[str, Any], tmp_path: Path
+) -> None:
+    config = make_config(
+        dataset, tmp_path, **{"model": {"name": "deepfm", "hidden_sizes": [8]}, "training.embedding_l2": 0.3}
+    )
+    specs = builders.table_specs(config)
+    linear = {name for name in specs if name.endswith(linear_table_name(""))}
+    assert linear and len(linear) * 2 == len(specs)
+    for name, spec in specs.items():
+        assert spec.optimizer.weight_decay == (0.0 if name in linear else 0.3), name
