@@ -31,10 +31,6 @@ class ScaledFp16:
     scales: np.ndarray
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.values.shape)
-
-    @property
     def nbytes(self) -> int:
         return int(self.values.nbytes + self.scales.nbytes)
 
