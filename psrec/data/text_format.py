@@ -69,9 +69,11 @@ class DelimitedFormat:
         self._columns[path] = names
         return names
 
-    def _options(self, path: str) -> tuple[pa_csv.ReadOptions, pa_csv.ParseOptions, pa_csv.ConvertOptions]:
+    def _options(
+        self, path: str, threads: bool = True
+    ) -> tuple[pa_csv.ReadOptions, pa_csv.ParseOptions, pa_csv.ConvertOptions]:
         names = self._check_columns(path)
-        read = pa_csv.ReadOptions(column_names=names, use_threads=True, block_size=1 << 20)
+        read = pa_csv.ReadOptions(column_names=names, use_threads=threads, block_size=1 << 20)
         quote = '"' if self.source.format == "csv" else False
         parse = pa_csv.ParseOptions(delimiter=self.source.text_delimiter, quote_char=quote)
         convert = pa_csv.ConvertOptions(
@@ -83,8 +85,9 @@ class DelimitedFormat:
         )
         return read, parse, convert
 
-    def _parse(self, data: bytes, path: str) -> pa.Table:
-        read, parse, convert = self._options(path)
+    def _parse(self, data: bytes, path: str, threads: bool = True) -> pa.Table:
+        # Single threaded, columns convert in order: a bad line's first bad column is the one named.
+        read, parse, convert = self._options(path, threads)
         return pa_csv.read_csv(pa.py_buffer(data), read, parse, convert)
 
     def _reason(self, error: Exception, path: str) -> str:
@@ -108,7 +111,7 @@ class DelimitedFormat:
         """
         data = b"\n".join(block.data[int(block.starts[i]) : int(block.ends[i])] for i in lines)
         try:
-            table = self._parse(data, path)
+            table = self._parse(data, path, threads=lines.size > 1)
             if table.num_rows == lines.size:
                 return [table]
             error: Exception = ValueError(
