@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -48,25 +49,35 @@ def default_bucket_map(num_buckets: int, num_shards: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Routed:
-    """Ids split by owning shard, plus what is needed to put per-shard results back in order."""
+    """Ids split by owning shard, plus what is needed to put per-shard results back in order.
+
+    `order` None means the ids are already grouped by shard (as `dedup_and_route` leaves them):
+    splitting is slicing and gathering is concatenating, with no index copies.
+    """
 
     ids_per_shard: list[np.ndarray]
-    order: np.ndarray  # (n,) positions of the input ids, grouped by shard (stable within a shard)
+    order: np.ndarray | None  # (n,) positions of the input ids, grouped by shard (stable within a shard)
     splits: np.ndarray  # (num_shards + 1,) boundaries of each shard's group within `order`
 
     def split(self, values: np.ndarray) -> list[np.ndarray]:
         """Split per-id values (e.g. gradients, aligned with the routed ids) the same way as the ids."""
-        grouped = values[self.order]
+        grouped = values if self.order is None else values[self.order]
         return [grouped[self.splits[s] : self.splits[s + 1]] for s in range(len(self.ids_per_shard))]
 
-    def gather(self, per_shard: list[np.ndarray]) -> np.ndarray:
-        """Inverse of `split`: per-shard results -> one array in the order of the original ids."""
+    def gather(self, per_shard: list[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+        """Inverse of `split`: per-shard results -> one array in the order of the original ids
+        (written into `out` when given)."""
         first = next((p for p in per_shard if p is not None), None)
         if first is None:
             raise ValueError("gather needs at least one shard result")
-        out = np.empty((self.order.size, *first.shape[1:]), dtype=first.dtype)
+        if out is None:
+            out = np.empty((int(self.splits[-1]), *first.shape[1:]), dtype=first.dtype)
         for shard, part in enumerate(per_shard):
-            out[self.order[self.splits[shard] : self.splits[shard + 1]]] = part
+            start, stop = self.splits[shard], self.splits[shard + 1]
+            if self.order is None:
+                out[start:stop] = part
+            else:
+                out[self.order[start:stop]] = part
         return out
 
 
@@ -80,3 +91,96 @@ def route(ids: np.ndarray, bucket_to_shard: np.ndarray) -> Routed:
     np.cumsum(counts, out=splits[1:])
     grouped = ids[order]
     return Routed([grouped[splits[s] : splits[s + 1]] for s in range(num_shards)], order, splits)
+
+
+@numba.njit(cache=True, nogil=True)
+def _dedup_and_route(
+    ids: np.ndarray, table_starts: np.ndarray, bucket_to_shard: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    num_tables = table_starts.size - 1
+    num_buckets = np.uint64(bucket_to_shard.size)
+    num_shards = 0
+    for b in range(bucket_to_shard.size):
+        num_shards = max(num_shards, bucket_to_shard[b] + 1)
+    unique = np.empty(ids.size, dtype=np.int64)
+    inverse = np.empty(ids.size, dtype=np.int64)
+    counts = np.zeros((num_tables, num_shards), dtype=np.int64)
+    unique_starts = np.zeros(num_tables + 1, dtype=np.int64)
+    largest = 1
+    for t in range(num_tables):
+        largest = max(largest, table_starts[t + 1] - table_starts[t])
+    capacity = 16
+    while capacity < 2 * largest:
+        capacity *= 2
+    slot_row = np.empty(capacity, dtype=np.int64)
+    local_ids = np.empty(largest, dtype=np.int64)
+    local_shard = np.empty(largest, dtype=np.int64)
+    local_inverse = np.empty(largest, dtype=np.int64)
+    new_position = np.empty(largest, dtype=np.int64)
+    next_in_shard = np.empty(num_shards, dtype=np.int64)
+    written = 0
+    for t in range(num_tables):
+        first, last = table_starts[t], table_starts[t + 1]
+        mask = 16
+        while mask < 2 * (last - first):
+            mask *= 2
+        mask -= 1
+        slot_row[: mask + 1] = -1
+        found = 0
+        for i in range(first, last):
+            value = ids[i]
+            x = np.uint64(value)
+            x = (x ^ (x >> np.uint64(30))) * _MIX1
+            x = (x ^ (x >> np.uint64(27))) * _MIX2
+            x = x ^ (x >> np.uint64(31))
+            slot = np.int64(x & np.uint64(mask))
+            while True:
+                row = slot_row[slot]
+                if row < 0:
+                    slot_row[slot] = found
+                    local_ids[found] = value
+                    shard = bucket_to_shard[np.int64(x % num_buckets)]
+                    local_shard[found] = shard
+                    counts[t, shard] += 1
+                    local_inverse[i - first] = found
+                    found += 1
+                    break
+                if local_ids[row] == value:
+                    local_inverse[i - first] = row
+                    break
+                slot = (slot + 1) & mask
+        # stable counting sort by shard: each shard's ids contiguous, first-occurrence order within
+        position = written
+        for s in range(num_shards):
+            next_in_shard[s] = position
+            position += counts[t, s]
+        for u in range(found):
+            target = next_in_shard[local_shard[u]]
+            next_in_shard[local_shard[u]] += 1
+            unique[target] = local_ids[u]
+            new_position[u] = target
+        for i in range(first, last):
+            inverse[i] = new_position[local_inverse[i - first]]
+        written += found
+        unique_starts[t + 1] = written
+    return unique[:written], inverse, unique_starts, counts
+
+
+def dedup_and_route(
+    ids: np.ndarray, table_starts: np.ndarray, bucket_to_shard: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Deduplicate and route the ids of several tables in one pass (the client's plan step).
+
+    `ids` holds every table's ids back to back, table t's at ``ids[table_starts[t]:table_starts[t+1]]``.
+    Returns ``(unique, inverse, unique_starts, counts)``: table t's distinct ids are
+    ``unique[unique_starts[t]:unique_starts[t+1]]``, grouped by owning shard (shard 0's first, each
+    group in first-occurrence order, ``counts[t, s]`` ids for shard s); ``unique[inverse[i]] == ids[i]``
+    (positions into all of `unique`). Shards are those of `route` (the same bucket hash).
+    """
+    if bucket_to_shard.size == 0:
+        raise ValueError("the bucket map is empty")
+    return _dedup_and_route(
+        np.ascontiguousarray(ids, dtype=np.int64),
+        np.ascontiguousarray(table_starts, dtype=np.int64),
+        np.ascontiguousarray(bucket_to_shard, dtype=np.int64),
+    )

@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from psrec.ps.routing import bucket_of, default_bucket_map, route
+from psrec.ps.routing import Routed, bucket_of, dedup_and_route, default_bucket_map, route
 
 
 def test_buckets_are_stable_and_spread() -> None:
@@ -35,3 +37,48 @@ def test_route_split_gather_round_trip() -> None:
     for part_ids, part_values in zip(routed.ids_per_shard, parts, strict=True):
         np.testing.assert_array_equal(part_ids.astype(np.float64), part_values[:, 0])
     np.testing.assert_array_equal(routed.gather(parts), values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    num_shards=st.integers(1, 4),
+    spread=st.sampled_from([3, 50, 2**62]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dedup_and_route_matches_unique_and_route(
+    sizes: list[int], num_shards: int, spread: int, seed: int
+) -> None:
+    """One pass over several tables = np.unique per table + `route`, shard-grouped, first occurrence first."""
+    rng = np.random.default_rng(seed)
+    parts = [rng.integers(-spread, spread, size=n, dtype=np.int64) for n in sizes]
+    ids = np.concatenate(parts)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    bucket_map = default_bucket_map(16, num_shards)
+    unique, inverse, unique_starts, counts = dedup_and_route(ids, starts, bucket_map)
+    np.testing.assert_array_equal(unique[inverse], ids)
+    for t, part in enumerate(parts):
+        mine = unique[unique_starts[t] : unique_starts[t + 1]]
+        assert np.all((inverse[starts[t] : starts[t + 1]] >= unique_starts[t]))
+        assert np.all((inverse[starts[t] : starts[t + 1]] < unique_starts[t + 1]))
+        expected = route(np.unique(part), bucket_map)
+        bounds = np.concatenate([[0], np.cumsum(counts[t])])
+        for shard in range(num_shards):
+            group = mine[bounds[shard] : bounds[shard + 1]]
+            want = expected.ids_per_shard[shard] if shard < len(expected.ids_per_shard) else part[:0]
+            np.testing.assert_array_equal(np.sort(group), want)
+            # first-occurrence order within the shard's group
+            first_seen = [int(np.flatnonzero(part == value)[0]) for value in group]
+            assert first_seen == sorted(first_seen)
+
+
+def test_routed_without_order_splits_and_gathers_by_slices() -> None:
+    ids = np.array([5, 9, 2, 7], dtype=np.int64)
+    routed = Routed([ids[:1], ids[1:]], None, np.array([0, 1, 4]))
+    values = np.arange(8.0).reshape(4, 2)
+    parts = routed.split(values)
+    assert parts[1].base is values or parts[1].base is values.base  # a view, no copy
+    np.testing.assert_array_equal(routed.gather(parts), values)
+    out = np.zeros_like(values)
+    assert routed.gather(parts, out=out) is out
+    np.testing.assert_array_equal(out, values)

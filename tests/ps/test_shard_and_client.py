@@ -173,6 +173,6 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     (inp.pooled * torch.arange(1.0, 4.0).view(1, 3, 1)).sum().backward()
     # Feature a (table t, weight 1) and c (table t, weight 3): id 2 appears once in each -> grad 4.
     unique_t = plan.unique_ids["t"].tolist()
-    np.testing.assert_allclose(weights["t"].grad[unique_t.index(2)].numpy(), np.full(DIM, 4.0))
+    np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)].numpy(), np.full(DIM, 4.0))
     unique_u = plan.unique_ids["u"].tolist()
-    np.testing.assert_allclose(weights["u"].grad[unique_u.index(7)].numpy(), np.full(DIM, 4.0))  # twice x 2
+    np.testing.assert_allclose(weights.grad("u")[unique_u.index(7)].numpy(), np.full(DIM, 4.0))  # twice x 2
