@@ -13,6 +13,8 @@ import signal
 import sys
 from types import FrameType
 
+from psrec.allocator import tune_malloc
+
 
 def build_parser() -> argparse.ArgumentParser:
     from psrec.bench import cli as bench_commands
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     # processes of a run (shards, trainers, the data reader) need; sleeping waiters measured 3-7x
     # faster on shared cores (docs/benchmarks.md). An explicit OMP_WAIT_POLICY wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    tune_malloc()  # freed buffers stay mapped for the next step (psrec.allocator)
     signal.signal(signal.SIGTERM, _terminate)  # shut the workers down as Ctrl-C does
     parser = build_parser()
     args = parser.parse_args(argv)

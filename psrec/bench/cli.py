@@ -150,7 +150,7 @@ def format_profile(report: dict[str, Any]) -> str:
     if not rows:
         return "no psrec system ran: nothing to profile"
     lines = [
-        "psrec per-step phases, ms (last round; 'other' = reader wait + driver; forward includes pooling)",
+        "psrec per-step phases, ms (last round, timed steps; 'other' = driver between phases; forward includes pooling)",
         f"{'system':20s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
     ]
     for row in rows:

@@ -302,16 +302,19 @@ def _status(runs: list[dict[str, Any]]) -> str:
 
 
 def step_profile(run: dict[str, Any]) -> dict[str, float]:
-    """psrec's per-phase milliseconds per step (all steps, warm-up included) plus the untimed rest.
+    """psrec's per-phase milliseconds per step of the timed steps (all steps, warm-up included, for
+    runs saved before the timed window was recorded) plus the untimed rest.
 
-    "other" is the driver's training time not in any phase: waiting for the reader, the per-chunk
-    report, Python between phases.
+    "other" is the driver's training time not in any phase: the chunk's end, Python between phases.
     """
-    steps = max(1, int(run["steps"]))
-    profile = {phase: 1000 * seconds / steps for phase, seconds in run["phase_seconds"].items()}
+    if run.get("timed_steps"):
+        steps, phases, seconds = int(run["timed_steps"]), run["timed_phase_seconds"], run["timed_seconds"]
+    else:
+        steps, phases, seconds = max(1, int(run["steps"])), run["phase_seconds"], run["train_seconds"]
+    profile = {phase: 1000 * value / steps for phase, value in phases.items()}
     critical = sum(ms for phase, ms in profile.items() if not phase.endswith("_overlapped"))
-    profile["other"] = max(0.0, 1000 * run["train_seconds"] / steps - critical)
-    profile["total"] = 1000 * run["train_seconds"] / steps
+    profile["other"] = max(0.0, 1000 * seconds / steps - critical)
+    profile["total"] = 1000 * seconds / steps
     return profile
 
 

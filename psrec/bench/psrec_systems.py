@@ -93,7 +93,7 @@ def bench_config(
     }
 
 
-def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, float]:
+def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, Any]:
     """Rate of the chunks after the first (warm-up) one, from cumulative progress reports.
 
     Each report carries the driver's cumulative samples and samples/s (hence training seconds) and
@@ -102,6 +102,9 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, fl
     points = [(r["samples"], r["samples"] / max(r["samples_per_second"], 1e-12), r["cpu"]) for r in reports]
     first = points[0] if has_warmup and len(points) > 1 else (0, 0.0, points[0][2])
     samples, seconds, cpu = (points[-1][i] - first[i] for i in range(3))
+    start: dict[str, Any] = reports[0] if has_warmup and len(reports) > 1 else {"step": 0}
+    phases: dict[str, float] = reports[-1].get("phase_seconds", {})
+    before: dict[str, float] = start.get("phase_seconds", {})
     chunk_rates = [
         (b[0] - a[0]) / max(b[1] - a[1], 1e-12) for a, b in zip(points, points[1:], strict=False)
     ] or [samples / max(seconds, 1e-12)]
@@ -111,6 +114,8 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, fl
         "best_step_samples_per_second": max(chunk_rates),
         "timed_seconds": seconds,
         "timed_samples": samples,
+        "timed_steps": reports[-1]["step"] - start["step"],
+        "timed_phase_seconds": {phase: value - before.get(phase, 0.0) for phase, value in phases.items()},
     }
 
 

@@ -300,7 +300,7 @@ class Driver:
         self._absorb(results)
         if results[0].steps:
             samples = sum(r.samples for r in results)
-            report = {
+            report: dict[str, Any] = {
                 "total_steps": self._total_steps(),
                 "epoch": self.state.epoch,
                 "step": self.state.step,
@@ -310,6 +310,7 @@ class Driver:
                 "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
             }
             _scalars(self.writer, "train", report, self.state.step)
+            report["phase_seconds"] = dict(self.phase_seconds)  # cumulative, for profiles of a window
             if self.progress is not None:
                 self.progress(report)
         return all(result.exhausted for result in results)

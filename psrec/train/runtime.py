@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from psrec.allocator import malloc_environment
 from psrec.config import ConfigError, RunConfig
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders, checkpoint
@@ -215,7 +216,12 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         "log_to_driver": True,
         "configure_logging": False,
         # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
-        "runtime_env": {"env_vars": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}},
+        "runtime_env": {
+            "env_vars": {
+                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                **malloc_environment(),
+            }
+        },
     }
     try:
         if address is None:

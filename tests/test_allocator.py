@@ -1,0 +1,42 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from psrec import allocator
+
+
+def test_tune_malloc_exports_the_settings_and_respects_the_opt_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    if allocator._libc() is None:
+        pytest.skip("not glibc")
+    for name in allocator.SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PSREC_MALLOC_TUNING", "0")
+    assert allocator.tune_malloc() is False
+    assert allocator.malloc_environment() == {}
+    assert not any(name in os.environ for name in allocator.SETTINGS)
+    monkeypatch.delenv("PSREC_MALLOC_TUNING")
+    assert allocator.tune_malloc() is True
+    assert {name: os.environ[name] for name in allocator.SETTINGS} == {
+        name: str(value) for name, value in allocator.SETTINGS.items()
+    }
+    assert allocator.malloc_environment() == {name: str(v) for name, v in allocator.SETTINGS.items()}
+    assert allocator.tune_malloc() is False  # already set (by us or the user): left alone
+
+
+def test_user_settings_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    if allocator._libc() is None:
+        pytest.skip("not glibc")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "12345")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert allocator.tune_malloc() is False
+    assert allocator.malloc_environment()["MALLOC_TRIM_THRESHOLD_"] == "12345"
+
+
+def test_the_cli_exports_the_settings_to_its_children() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in allocator.SETTINGS and k != "PSREC_MALLOC_TUNING"}
+    code = "import os, psrec.cli as c; c.tune_malloc(); print(os.environ.get('MALLOC_TRIM_THRESHOLD_'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    expected = str(allocator.SETTINGS["MALLOC_TRIM_THRESHOLD_"]) if allocator._libc() is not None else "None"
+    assert out.stdout.strip() == expected
