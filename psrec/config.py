@@ -70,7 +70,10 @@ class EvictionConfig(_Strict):
 class TableConfig(_Strict):
     dim: int = Field(16, ge=1)
     expected_rows: int | None = Field(
-        None, ge=0, description="rows the table is expected to reach: the collective planner balances by it"
+        None,
+        ge=0,
+        description="rows the table is expected to reach: shards reserve their share up front (no growth "
+        "copies while the rows arrive) and the collective planner balances by it",
     )
     optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
     initializer: InitializerConfig = InitializerConfig()

@@ -123,6 +123,12 @@ _SYSTEMS = [
         partial(psrec_systems.run_psrec, runtime="ray", wire_precision="fp16"),
     ),
     System(
+        "psrec-bf16-grow",
+        "psrec in-process bf16, no expected_rows (tables grow as rows arrive)",
+        partial(psrec_systems.run_psrec, runtime="local", dense_precision="bf16", reserve=False),
+        ceiling="ceiling-bf16",
+    ),
+    System(
         "psrec-t1",
         "psrec in-process, 1 thread",
         partial(psrec_systems.run_psrec, runtime="local", trainer_threads=1),

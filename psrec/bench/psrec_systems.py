@@ -33,6 +33,7 @@ from psrec.bench.workload import (
     set_threads,
     synthetic_config,
 )
+from psrec.data.synth import CRITEO_SPARSE
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,27 @@ def bench_config(
     dense_precision: str = "fp32",
     compile_model: bool = False,
     wire_precision: str = "fp32",
+    reserve: bool = True,
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload."""
     chunk = max(1, workload.warmup_steps)
     timed_chunks = -(-workload.steps // chunk)
     trainer_threads = trainer_threads or workload.threads
+    table = {
+        "dim": workload.dim,
+        "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
+        "initializer": {"kind": "uniform", "scale": workload.init_scale},
+    }
+    # The fixed-size systems allocate exactly these rows up front; psrec gets the same sizes as a
+    # hint (`expected_rows`: shards reserve their share), its tables still grow past them if needed.
+    tables = (
+        {
+            name: {**table, "expected_rows": rows}
+            for name, rows in zip(CRITEO_SPARSE, workload.table_sizes(), strict=True)
+        }
+        if reserve
+        else {}
+    )
     return {
         "run_dir": run_dir,
         "data": {"synthetic": synthetic_config(workload)},
@@ -64,13 +81,7 @@ def bench_config(
             "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
             "top_hidden_sizes": list(TOP_HIDDEN_SIZES),
         },
-        "embedding": {
-            "default": {
-                "dim": workload.dim,
-                "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
-                "initializer": {"kind": "uniform", "scale": workload.init_scale},
-            }
-        },
+        "embedding": {"default": table, "tables": tables},
         "training": {
             "batch_size": workload.batch_size,
             "max_steps": chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps,
@@ -187,6 +198,7 @@ def run_psrec(
     dense_precision: str = "fp32",
     compile_model: bool = False,
     wire_precision: str = "fp32",
+    reserve: bool = True,
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -213,6 +225,7 @@ def run_psrec(
                 dense_precision=dense_precision,
                 compile_model=compile_model,
                 wire_precision=wire_precision,
+                reserve=reserve,
             ),
             source="<bench>",
         )

@@ -84,6 +84,7 @@ class EmbeddingTable:
         admission: AdmissionSpec = AdmissionSpec(),  # noqa: B008
         eviction: EvictionSpec = EvictionSpec(),  # noqa: B008
         seed: int = 0,
+        initial_rows: int = 0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"table name must be a non-empty string, got {name!r}")
@@ -110,7 +111,13 @@ class EmbeddingTable:
         self.seed = int(seed)
         self.initializer = initializer
         self.eviction = eviction
-        self._index = HashIndex()
+        if (
+            isinstance(initial_rows, bool)
+            or not isinstance(initial_rows, int | np.integer)
+            or initial_rows < 0
+        ):
+            raise ValueError(self._message(f"initial_rows must be an int >= 0, got {initial_rows!r}"))
+        self._index = HashIndex(initial_rows=int(initial_rows))  # capacity reserved up front
         self._storage = RowStorage(
             precision, self.dim, stochastic_rounding=self.stochastic_rounding, seed=self.seed
         )

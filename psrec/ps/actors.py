@@ -45,7 +45,7 @@ class ShardActor:
         warmup()
         self.shard = ParameterShard(
             shard_index,
-            build_tables(run_config),
+            build_tables(run_config, partitions=run_config.ps.num_shards),
             num_trainers=pushing_trainers(run_config),
             mode=run_config.ps.mode,
         )

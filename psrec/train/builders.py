@@ -26,7 +26,7 @@ def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
     return SparseOptimizerSpec(**config.model_dump())
 
 
-def build_table(name: str, config: TableConfig, *, seed: int) -> EmbeddingTable:
+def build_table(name: str, config: TableConfig, *, seed: int, initial_rows: int = 0) -> EmbeddingTable:
     return EmbeddingTable(
         name,
         config.dim,
@@ -37,6 +37,7 @@ def build_table(name: str, config: TableConfig, *, seed: int) -> EmbeddingTable:
         admission=AdmissionSpec(**config.admission.model_dump()),
         eviction=EvictionSpec(ttl_steps=config.eviction.ttl_steps, max_rows=config.eviction.max_rows),
         seed=seed,
+        initial_rows=initial_rows,
     )
 
 
@@ -77,13 +78,20 @@ def _with_l2(spec: TableConfig, l2: float) -> TableConfig:
     return spec.model_copy(update={"optimizer": optimizer})
 
 
-def build_tables(config: RunConfig) -> dict[str, EmbeddingTable]:
-    """One shard's tables. Every shard uses the same seeds: a row's initial value depends on its id only."""
+def build_tables(config: RunConfig, *, partitions: int = 1) -> dict[str, EmbeddingTable]:
+    """One shard's tables. Every shard uses the same seeds: a row's initial value depends on its id only.
+
+    A table with ``expected_rows`` reserves its share up front (1/`partitions` of the rows, +5% for
+    uneven buckets), so it does not grow, and copy its arrays, while those rows arrive.
+    """
     seed = config.training.seed
-    return {
-        name: build_table(name, spec, seed=seed * 1_000_003 + index)
-        for index, (name, spec) in enumerate(sorted(table_specs(config).items()))
-    }
+    specs = table_specs(config)
+    tables = {}
+    for index, (name, spec) in enumerate(sorted(specs.items())):
+        expected = config.table_config(name.removesuffix(LINEAR_SUFFIX)).expected_rows or 0
+        share = int(expected * 1.05 / partitions) + 1 if expected else 0
+        tables[name] = build_table(name, spec, seed=seed * 1_000_003 + index, initial_rows=share)
+    return tables
 
 
 def pushing_trainers(config: RunConfig) -> int:

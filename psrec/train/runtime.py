@@ -84,7 +84,12 @@ class LocalRuntime:
         set_thread_counts(config.ps.trainer_resources.threads)
         self.config = config
         self.shards = [
-            ParameterShard(i, builders.build_tables(config), num_trainers=1, mode=config.ps.mode)
+            ParameterShard(
+                i,
+                builders.build_tables(config, partitions=config.ps.num_shards),
+                num_trainers=1,
+                mode=config.ps.mode,
+            )
             for i in range(config.ps.num_shards)
         ]
         self.trainer = TrainerWorker(

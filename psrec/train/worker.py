@@ -82,7 +82,10 @@ class TrainerWorker:
         self._collective_connection: Any = None
         if self.collective:
             self.local_shard = ParameterShard(
-                trainer_index, builders.build_tables(self.config), num_trainers=self.world_size, mode="sync"
+                trainer_index,
+                builders.build_tables(self.config, partitions=self.world_size),
+                num_trainers=self.world_size,
+                mode="sync",
             )
             if self.world_size == 1:
                 self._build_collective_client()
