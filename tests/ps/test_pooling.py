@@ -33,3 +33,26 @@ def test_gather_rows_backward_of_an_expanded_gradient() -> None:
     gather_rows(rows, np.array([0, 0, 3, 0]), 2).sum().backward()  # grad: stride-0 ones
     assert rows.grad is not None
     assert rows.grad.tolist() == [[3.0, 3.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]
+
+
+@pytest.mark.parametrize("layout", ["head", "middle", "transposed"])
+def test_backward_reads_gradients_in_any_layout(layout: str) -> None:
+    """Rows of a wider concatenation (fast contiguous path) or a transposed view (strided path)."""
+    rng = np.random.default_rng(1)
+    index = rng.integers(0, 9, size=5 * 3)
+    rows = torch.from_numpy(rng.normal(size=(9, 4)).astype(np.float32)).requires_grad_()
+    pooled = gather_rows(rows, index, 3)  # (5, 3, 4)
+    weight = torch.from_numpy(rng.normal(size=(5, 6, 4)).astype(np.float32))
+    other = torch.ones(5, 3, 4)
+    if layout == "head":
+        loss = (torch.cat([pooled, other], dim=1) * weight).sum()
+    elif layout == "middle":
+        loss = (torch.cat([other[:, :1], pooled, other[:, :2]], dim=1) * weight).sum()
+    else:
+        loss = (pooled.transpose(0, 1).contiguous() * weight[:, :3].transpose(0, 1)).sum()
+    loss.backward()
+    first = {"head": 0, "middle": 1, "transposed": 0}[layout]
+    upstream = weight[:, first : first + 3].reshape(-1, 4)
+    expected = torch.zeros(9, 4).index_add_(0, torch.from_numpy(index), upstream)
+    assert rows.grad is not None
+    torch.testing.assert_close(rows.grad, expected, rtol=1e-6, atol=1e-6)

@@ -59,8 +59,8 @@ def test_dedup_and_route_matches_unique_and_route(
     np.testing.assert_array_equal(unique[inverse], ids)
     for t, part in enumerate(parts):
         mine = unique[unique_starts[t] : unique_starts[t + 1]]
-        assert np.all((inverse[starts[t] : starts[t + 1]] >= unique_starts[t]))
-        assert np.all((inverse[starts[t] : starts[t + 1]] < unique_starts[t + 1]))
+        assert np.all(inverse[starts[t] : starts[t + 1]] >= unique_starts[t])
+        assert np.all(inverse[starts[t] : starts[t + 1]] < unique_starts[t + 1])
         expected = route(np.unique(part), bucket_map)
         bounds = np.concatenate([[0], np.cumsum(counts[t])])
         for shard in range(num_shards):
