@@ -194,7 +194,9 @@ def run_ceiling(
 
         compile_dense_model(model)
     train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=2)
-    pooled = [torch.rand(b.batch_size, 26, workload.dim) * 0.1 for b in train]  # (B, F, D), pre-gathered
+    # (B, F, D), pre-gathered; under bf16 in bf16, as psrec's embedding path hands DLRM its rows
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    pooled = [(torch.rand(b.batch_size, 26, workload.dim) * 0.1).to(dtype) for b in train]
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
     pairs = dict(zip((id(b) for b in train), pooled, strict=True))
 

@@ -26,6 +26,9 @@ from psrec.models.layers import MLP, DotInteraction
 
 class DLRM(ClickThroughRateModel):
     uses_linear_terms = False
+    # Under bf16 autocast the pooled rows may come in bf16: they go straight into the interaction's
+    # concatenation and bmm (or linear layer), which autocast runs in bf16 anyway.
+    accepts_bf16_rows = True
 
     def __init__(
         self,

@@ -33,6 +33,24 @@ def _scatter_add_rows(
                 target[d] += source[d]
 
 
+@numba.njit(cache=True, nogil=True)
+def _scatter_add_bf16_rows(
+    out: np.ndarray, index: np.ndarray, grad: np.ndarray, first: int, features: int
+) -> None:
+    """`_scatter_add_rows` of bfloat16 gradients (their uint16 bits), widened and summed in float32."""
+    batch, dim = grad.shape[0], grad.shape[2]
+    widened = np.empty(dim, dtype=np.uint32)
+    as_float = widened.view(np.float32)
+    for b in range(batch):
+        for f in range(features):
+            source = grad[b, first + f]
+            target = out[index[b * features + f]]
+            for d in range(dim):
+                widened[d] = np.uint32(source[d]) << np.uint32(16)
+            for d in range(dim):
+                target[d] += as_float[d]
+
+
 def _enclosing_rows(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(C-contiguous (B, F', D) tensor, first feature) sharing `grad`'s memory when `grad` is a run of
     whole rows of one, e.g. DLRM's pooled part of the interaction's concatenation; else (grad, 0).
@@ -53,23 +71,37 @@ def _enclosing_rows(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, features: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, rows: torch.Tensor, index: torch.Tensor, features: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         ctx.save_for_backward(index)
         ctx.num_rows = rows.shape[0]
-        return rows.index_select(0, index).view(-1, features, rows.shape[1])
+        source = rows if dtype == rows.dtype else rows.to(dtype)  # cast the unique rows, not B x F
+        return source.index_select(0, index).view(-1, features, rows.shape[1])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (index,) = ctx.saved_tensors
-        if grad.dtype != torch.float32:  # not produced by psrec's fp32 rows; keep PyTorch's path
+        if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
         out = torch.zeros(ctx.num_rows, grad.shape[2], dtype=torch.float32)
         whole, first = _enclosing_rows(grad.detach())
-        _scatter_add_rows(out.numpy(), index.numpy(), whole.numpy(), first, grad.shape[1])
-        return out, None, None
+        if whole.dtype == torch.bfloat16:
+            bits = whole.view(torch.int16).numpy().view(np.uint16)
+            _scatter_add_bf16_rows(out.numpy(), index.numpy(), bits, first, grad.shape[1])
+        else:
+            _scatter_add_rows(out.numpy(), index.numpy(), whole.numpy(), first, grad.shape[1])
+        return out, None, None, None
 
 
-def gather_rows(rows: torch.Tensor, index: np.ndarray, features: int) -> torch.Tensor:
-    """(B, features, D) = rows[index].view(B, features, D) for sample-major `index`; differentiable
-    in `rows` (float32, 2-D) with a numba scatter-add backward."""
-    return _GatherRows.apply(rows, torch.from_numpy(index), features)
+def gather_rows(
+    rows: torch.Tensor, index: np.ndarray, features: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(B, features, D) = rows[index].view(B, features, D) for sample-major `index`, as `dtype`;
+    differentiable in `rows` (float32, 2-D) with a numba scatter-add backward that sums the
+    (float32 or bfloat16) gradients in float32.
+
+    bfloat16 output is the embedding path of a bf16-autocast model (as FBGEMM's `output_dtype`):
+    the model consumes bf16 anyway, and the (B, F, D) tensor and its gradient move half the bytes.
+    """
+    return _GatherRows.apply(rows, torch.from_numpy(index), features, dtype)

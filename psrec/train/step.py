@@ -142,6 +142,9 @@ class StepRunner:
         self.staleness = staleness if mode == "async" else 0
         self.grad_clip_norm = grad_clip_norm
         self.bf16 = bf16  # autocast the dense model; pulled rows and their gradients stay fp32
+        # ... gathered for the model in bf16 when it declares it consumes them in bf16 anyway
+        accepts = bf16 and getattr(model, "accepts_bf16_rows", False)
+        self.pooled_dtype = torch.bfloat16 if accepts else torch.float32
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
 
@@ -206,7 +209,7 @@ class StepRunner:
     ) -> StepResult:
         timer = self.timer
         start = time.perf_counter()
-        inp, weights = self.client.embed(pulled, batch.dense)
+        inp, weights = self.client.embed(pulled, batch.dense, pooled_dtype=self.pooled_dtype)
         labels = torch.from_numpy(np.require(batch.labels, requirements="W"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
@@ -280,7 +283,7 @@ class StepRunner:
     def predict(self, batch: Batch) -> np.ndarray:
         self.model.eval()
         pulled = self.client.pull(self.client.plan(batch), train=False)
-        inp, _ = self.client.embed(pulled, batch.dense, requires_grad=False)
+        inp, _ = self.client.embed(pulled, batch.dense, requires_grad=False, pooled_dtype=self.pooled_dtype)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             scores = self.model.predict(inp)  # type: ignore[operator]
         self.model.train()

@@ -56,3 +56,21 @@ def test_backward_reads_gradients_in_any_layout(layout: str) -> None:
     expected = torch.zeros(9, 4).index_add_(0, torch.from_numpy(index), upstream)
     assert rows.grad is not None
     torch.testing.assert_close(rows.grad, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_gather_sums_bf16_gradients_in_float32() -> None:
+    rng = np.random.default_rng(2)
+    index = rng.integers(0, 6, size=8 * 2)
+    rows = torch.from_numpy(rng.normal(size=(6, 16)).astype(np.float32)).requires_grad_()
+    pooled = gather_rows(rows, index, 2, torch.bfloat16)
+    assert pooled.dtype == torch.bfloat16
+    torch.testing.assert_close(pooled, rows.detach().to(torch.bfloat16)[index].view(8, 2, 16), rtol=0, atol=0)
+    upstream = torch.from_numpy(rng.normal(size=(8, 3, 16)).astype(np.float32)).to(torch.bfloat16)
+    (
+        torch.cat([torch.zeros(8, 1, 16, dtype=torch.bfloat16), pooled], dim=1).float() * upstream.float()
+    ).sum().backward()
+    expected = torch.zeros(6, 16).index_add_(
+        0, torch.from_numpy(index), upstream[:, 1:].float().reshape(-1, 16)
+    )
+    assert rows.grad is not None and rows.grad.dtype == torch.float32
+    torch.testing.assert_close(rows.grad, expected, rtol=0, atol=1e-6)
