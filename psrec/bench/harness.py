@@ -54,7 +54,9 @@ _SYSTEMS = [
     System("pytorch", "(a) plain PyTorch (EmbeddingBag + Adagrad)", torch_systems.run_pytorch),
     System("torchrec", "(b) TorchRec fused EBC, row-wise Adagrad", torch_systems.run_torchrec),
     System(
-        "psrec", "(c) psrec in-process (2 local shards)", partial(psrec_systems.run_psrec, runtime="local")
+        "psrec",
+        "(c) psrec in-process (1 local shard)",
+        partial(psrec_systems.run_psrec, runtime="local", num_shards=1),
     ),
     System(
         "psrec-ray", "(d) psrec Ray 1 trainer + 2 shards", partial(psrec_systems.run_psrec, runtime="ray")
@@ -62,13 +64,15 @@ _SYSTEMS = [
     System(
         "psrec-bf16",
         "(c) psrec in-process, bf16 dense",
-        partial(psrec_systems.run_psrec, runtime="local", dense_precision="bf16"),
+        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16"),
         ceiling="ceiling-bf16",
     ),
     System(
         "psrec-bf16-compile",
         "(c) psrec in-process, bf16 dense, torch.compile",
-        partial(psrec_systems.run_psrec, runtime="local", dense_precision="bf16", compile_model=True),
+        partial(
+            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", compile_model=True
+        ),
         ceiling="ceiling-bf16-compile",
     ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
@@ -114,7 +118,7 @@ _SYSTEMS = [
     System(
         "psrec-passive",
         "psrec in-process, OMP_WAIT_POLICY=PASSIVE",
-        partial(psrec_systems.run_psrec, runtime="local"),
+        partial(psrec_systems.run_psrec, runtime="local", num_shards=1),
         env=tuple(PASSIVE.items()),
     ),
     System(
@@ -125,13 +129,15 @@ _SYSTEMS = [
     System(
         "psrec-bf16-grow",
         "psrec in-process bf16, no expected_rows (tables grow as rows arrive)",
-        partial(psrec_systems.run_psrec, runtime="local", dense_precision="bf16", reserve=False),
+        partial(
+            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", reserve=False
+        ),
         ceiling="ceiling-bf16",
     ),
     System(
         "psrec-t1",
         "psrec in-process, 1 thread",
-        partial(psrec_systems.run_psrec, runtime="local", trainer_threads=1),
+        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, trainer_threads=1),
     ),
 ]
 SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}
