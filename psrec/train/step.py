@@ -37,6 +37,7 @@ import collections
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,32 +65,43 @@ class _Prefetched:
     batch: Batch
     plan: LookupPlan
     handles: list[Pending]
+    position: Any = None
 
 
 class _Planner:
-    """Reads and routes up to `limit` batches on a thread, two ahead of the consumer.
+    """Reads and routes batches on a thread, two ahead of the consumer, across `run` calls.
 
-    Exceptions of the reader (bad rows, I/O) are re-raised in the consumer, with their own type.
-    `close` stops the thread and waits for it, so the reader is never used by two threads at once.
+    Each item carries the reader's position right after its batch (`position()`, called on the
+    thread), so the runner knows the position of the last batch it trained on however far the
+    planner read ahead. Exceptions of the reader (bad rows, I/O) are re-raised in the consumer,
+    with their own type. `close` stops the thread and waits for it, so the reader is never used by
+    two threads at once.
     """
 
     def __init__(
-        self, batches: Iterator[Batch], client: EmbeddingClient, timer: PhaseTimer, limit: int
+        self,
+        batches: Iterator[Batch],
+        client: EmbeddingClient,
+        timer: PhaseTimer,
+        position: Callable[[], Any] | None,
     ) -> None:
-        def plans() -> Iterator[tuple[Batch, LookupPlan]]:
-            for _ in range(limit):
+        self.source = batches
+
+        def plans() -> Iterator[tuple[Batch, LookupPlan, Any]]:
+            while True:
                 start = time.perf_counter()
                 batch = next(batches, None)
                 if batch is None:
                     return
+                after = position() if position is not None else None
                 plan = client.plan(batch)
                 timer.add("plan" + OVERLAPPED, start)
-                yield batch, plan
+                yield batch, plan, after
 
         self._plans = BackgroundIterator(plans, depth=2, name="psrec-planner")
 
-    def next(self) -> tuple[Batch, LookupPlan] | None:
-        """The next routed batch, or None once `limit` batches were given or the reader ran out."""
+    def next(self) -> tuple[Batch, LookupPlan, Any] | None:
+        """The next routed batch and the reader position after it, or None once the reader ran out."""
         return next(self._plans, None)
 
     def close(self) -> None:
@@ -147,6 +159,9 @@ class StepRunner:
         self.pooled_dtype = torch.bfloat16 if accepts else torch.float32
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
+        self._planner: _Planner | None = None
+        # Reader position after the last batch trained on (None: none yet from this reader).
+        self.trained_position: Any = None
 
     def _submit(self, planner: _Planner, ahead: collections.deque[_Prefetched]) -> bool:
         """Route the next batch (already done by the planner) and submit its pull; False at the end."""
@@ -155,25 +170,50 @@ class StepRunner:
         start = self.timer.add("plan", start)
         if item is None:
             return False
-        batch, plan = item
-        ahead.append(_Prefetched(batch, plan, self.client.submit_pull(plan, train=True)))
+        batch, plan, position = item
+        ahead.append(_Prefetched(batch, plan, self.client.submit_pull(plan, train=True), position))
         self.timer.add("pull", start)
         return True
 
-    def run(self, batches: Iterator[Batch], *, first_step: int, max_steps: int) -> Iterator[StepResult]:
-        """Train on up to `max_steps` batches from `batches`; yields one result per step."""
+    def close(self) -> None:
+        """Stop the planner (before its reader is closed or replaced); forget the trained position."""
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+        self.trained_position = None
+
+    def run(
+        self,
+        batches: Iterator[Batch],
+        *,
+        first_step: int,
+        max_steps: int,
+        position: Callable[[], Any] | None = None,
+    ) -> Iterator[StepResult]:
+        """Train on up to `max_steps` batches from `batches`; yields one result per step.
+
+        The planner keeps reading ahead between calls with the same `batches` (its read-ahead is
+        not lost at a chunk's end); `position` gives the reader's position, recorded per batch in
+        `trained_position`. An error closes the planner, so a retry starts from the reader afresh.
+        """
         self.model.train()
         ahead: collections.deque[_Prefetched] = collections.deque()
-        planner = _Planner(batches, self.client, self.timer, max_steps)
+        if self._planner is None or self._planner.source is not batches:
+            self.close()
+            self._planner = _Planner(batches, self.client, self.timer, position)
+        planner = self._planner
+        taken = 0
         exhausted = False
         failure: BaseException | None = None  # a reader error, raised when its batch is due
 
         def submit_next() -> None:
-            nonlocal exhausted, failure
+            nonlocal exhausted, failure, taken
             # Async: `staleness` batches' pulls in flight ahead of the step being computed; sync: one.
+            # Never beyond this call's `max_steps`: a pull submitted early grows tables.
             try:
-                while not exhausted and len(ahead) <= self.staleness:
+                while not exhausted and len(ahead) <= self.staleness and taken < max_steps:
                     exhausted = not self._submit(planner, ahead)
+                    taken += not exhausted
             except Exception as error:  # noqa: BLE001 - the current step completes first
                 exhausted, failure = True, error
 
@@ -198,10 +238,13 @@ class StepRunner:
                 start = time.perf_counter()
                 pulled = self.client.collect_pull(current.plan, current.handles)
                 self.timer.add("pull", start)
-                yield self._train(current.batch, pulled, step, submit_next)
+                result = self._train(current.batch, pulled, step, submit_next)
+                self.trained_position = current.position
+                yield result
                 step += 1
-        finally:
-            planner.close()
+        except BaseException:
+            self.close()
+            raise
         self.flush()
 
     def _train(

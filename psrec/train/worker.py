@@ -210,13 +210,20 @@ class TrainerWorker:
             self._build_collective_client()
 
     def shutdown(self) -> None:
+        self._close_runner()
         if self._reader is not None:
             self._reader.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # -- training ------------------------------------------------------------------------------
+    def _close_runner(self) -> None:
+        """Stop the runner's read-ahead of the current reader (before the reader goes away)."""
+        if isinstance(self.runner, StepRunner):
+            self.runner.close()
+
     def start_epoch(self, epoch: int, position: dict[str, Any] | None = None) -> None:
+        self._close_runner()
         if self._reader is not None:
             self._reader.close()
         training = self.config.training
@@ -249,7 +256,14 @@ class TrainerWorker:
         pulled, pushed = self.client.bytes_pulled, self.client.bytes_pushed
         steps, samples, loss_sum = 0, 0, 0.0
         scores, labels, row_ids = [], [], []
-        for result in self.runner.run(self._batches, first_step=self.step, max_steps=max_steps):
+        if isinstance(self.runner, StepRunner):
+            # The runner reads ahead across chunks and records the position of what it trained on.
+            run = self.runner.run(
+                self._batches, first_step=self.step, max_steps=max_steps, position=self._reader.position
+            )
+        else:
+            run = self.runner.run(self._batches, first_step=self.step, max_steps=max_steps)
+        for result in run:
             steps += 1
             n = result.labels.shape[0]
             if n:
@@ -350,7 +364,11 @@ class TrainerWorker:
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
         """JSON-able: where this trainer is (step, epoch, reader position after its last batch)."""
-        position = self._reader.position() if self._reader is not None else None
+        position = None
+        if isinstance(self.runner, StepRunner) and self.runner.trained_position is not None:
+            position = self.runner.trained_position  # the reader itself may be read ahead
+        elif self._reader is not None:
+            position = self._reader.position()
         return {"trainer": self.trainer_index, "step": self.step, "epoch": self.epoch, "position": position}
 
     def dense_checkpoint(self) -> dict[str, Any]:

@@ -93,16 +93,32 @@ def test_pipelined_steps_equal_plain_sequential_steps(
     assert runner.timer.seconds["plan" + OVERLAPPED] > 0
 
 
-def test_planner_takes_exactly_the_batches_it_trains_on(
+def test_planner_reads_ahead_across_runs_and_records_the_trained_position(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
+    """Chunks of one reader train on the same batches as one run; the position is that of the last
+    batch trained, however far the planner read ahead; a new reader starts a new planner."""
     config = small_run_config(synthetic_sources, tmp_path)
-    source = _Counting(_batches(config, synthetic_sources, 10))
-    runner, _ = _setup(config)
-    assert len(list(runner.run(source, first_step=0, max_steps=3))) == 3
-    assert source.taken == 3  # the reader's position stays exact for a checkpoint taken now
-    assert len(list(runner.run(source, first_step=3, max_steps=100))) == 7
-    assert source.taken == 10
+    batches = _batches(config, synthetic_sources, 10)
+    source = _Counting(iter(batches))
+    runner, shards = _setup(config)
+    first = [r.loss for r in runner.run(source, first_step=0, max_steps=3, position=lambda: source.taken)]
+    assert len(first) == 3 and runner.trained_position == 3  # source.taken may be ahead of it
+    rest = [r.loss for r in runner.run(source, first_step=3, max_steps=100, position=lambda: source.taken)]
+    assert len(rest) == 7 and runner.trained_position == 10 and source.taken == 10
+
+    whole, whole_shards = _setup(config)
+    losses = [r.loss for r in whole.run(iter(batches), first_step=0, max_steps=10)]
+    assert first + rest == losses
+    for shard, other in zip(shards, whole_shards, strict=True):
+        for table, (_ids, rows) in other.table_rows().items():
+            np.testing.assert_array_equal(shard.table_rows()[table][1], rows)
+
+    runner.close()
+    assert runner.trained_position is None
+    again = _Counting(iter(batches[:2]))
+    assert len(list(runner.run(again, first_step=10, max_steps=5, position=lambda: again.taken))) == 2
+    assert runner.trained_position == 2
 
 
 def test_reader_errors_reach_the_caller_with_their_type(
