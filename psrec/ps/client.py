@@ -150,9 +150,6 @@ class RowLeaves:
         grad = self.fused[key].grad
         return None if grad is None else grad[start:stop]
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.own or name in self.spans
-
 
 class EmbeddingClient:
     """Pull rows for a batch, build the model input, push row gradients (see the module docstring)."""
