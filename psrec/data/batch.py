@@ -22,6 +22,7 @@ SASRec) and the data positions the batch came from (for exact-once accounting an
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,13 +61,25 @@ class SparseBatch:
         np.cumsum(self.lengths, out=out[1:])
         return out
 
+    @functools.cached_property
+    def key_starts(self) -> np.ndarray:
+        """(num_keys + 1,) int64: key k's ids are ``ids[key_starts[k]:key_starts[k + 1]]``."""
+        out = np.zeros(len(self.keys) + 1, dtype=np.int64)
+        if self.keys:
+            np.cumsum(self.lengths.reshape(len(self.keys), -1).sum(axis=1, dtype=np.int64), out=out[1:])
+        return out
+
+    @functools.cached_property
+    def single_valued(self) -> bool:
+        """Every (key, sample) holds exactly one id."""
+        return self.ids.size == self.lengths.size and bool((self.lengths == 1).all())
+
     def feature(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths) of one feature, both views into this batch's arrays."""
         k = self.keys.index(key)
         b = self.batch_size
-        lengths = self.lengths[k * b : (k + 1) * b]
-        start = int(self.lengths[: k * b].sum())
-        return self.ids[start : start + int(lengths.sum())], lengths
+        starts = self.key_starts
+        return self.ids[starts[k] : starts[k + 1]], self.lengths[k * b : (k + 1) * b]
 
     @staticmethod
     def from_features(features: dict[str, tuple[np.ndarray, np.ndarray]]) -> SparseBatch:

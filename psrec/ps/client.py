@@ -184,73 +184,93 @@ class EmbeddingClient:
 
     # -- route -------------------------------------------------------------------------------
     def plan(self, batch: Batch) -> LookupPlan:
-        """Dedup every table's ids (all features sharing a table together) and route them, in one
+        """Dedup every table's ids (all features that share a table together) and route them, in one
         numba pass over the batch (`dedup_and_route`)."""
-        per_table: dict[str, list[np.ndarray]] = {}
-        # (key, table, position of its ids within the table's ids, count, lengths, mask)
-        features: list[tuple[str, str, int, int, np.ndarray | None, np.ndarray | None]] = []
-        sizes: dict[str, int] = {}
+        sparse = batch.sparse
         b = batch.batch_size
-        for key in batch.sparse.keys:
-            table = self._feature_table(key)
-            ids, lengths = batch.sparse.feature(key)
-            features.append((key, table, sizes.get(table, 0), ids.size, lengths, None))
-            per_table.setdefault(table, []).append(ids)
-            sizes[table] = sizes.get(table, 0) + ids.size
+        key_starts = sparse.key_starts
+        # (key, table, start of its ids within the batch's / the sequence's ids, count, mask)
+        features: list[tuple[str, str, int, int, np.ndarray | None]] = []
+        for k, key in enumerate(sparse.keys):
+            start = int(key_starts[k])
+            features.append((key, self._feature_table(key), start, int(key_starts[k + 1]) - start, None))
+        sequence_ids: dict[str, np.ndarray] = {}
         for key, sequence in batch.sequences.items():
             if key not in self.sequence_tables:
                 raise KeyError(
                     f"sequence {key!r} is not mapped to a table; mapped: {sorted(self.sequence_tables)}"
                 )
-            table = self.sequence_tables[key]
-            ids = sequence.ids[sequence.mask].astype(np.int64, copy=False)
-            features.append((key, table, sizes.get(table, 0), ids.size, None, sequence.mask))
-            per_table.setdefault(table, []).append(ids)
-            sizes[table] = sizes.get(table, 0) + ids.size
+            ids = sequence_ids[key] = sequence.ids[sequence.mask].astype(np.int64, copy=False)
+            features.append((key, self.sequence_tables[key], 0, ids.size, sequence.mask))
+        # Group the features' ids by table (a table's features back to back, tables in order of
+        # first use); when that is the batch's own layout, its ids array is used as it is.
+        per_table: dict[str, list[int]] = {}
+        for f, feature in enumerate(features):
+            per_table.setdefault(feature[1], []).append(f)
         names = list(per_table)
+        order = [f for members in per_table.values() for f in members]
         table_starts = np.zeros(len(names) + 1, dtype=np.int64)
-        np.cumsum([sizes[name] for name in names], out=table_starts[1:])
-        parts = [part for name in names for part in per_table[name]]
-        all_ids = np.concatenate(parts) if len(parts) != 1 else parts[0]
+        np.cumsum([sum(features[f][3] for f in per_table[name]) for name in names], out=table_starts[1:])
+        in_place = not batch.sequences and order == list(range(len(features)))
+        if in_place:
+            all_ids = sparse.ids
+        else:
+            all_ids = np.concatenate(
+                [
+                    sparse.ids[start : start + size] if mask is None else sequence_ids[key]
+                    for key, _, start, size, mask in (features[f] for f in order)
+                ]
+                or [np.zeros(0, np.int64)]
+            )
         unique, inverse, unique_starts, counts = dedup_and_route(all_ids, table_starts, self.bucket_to_shard)
-        position = {name: t for t, name in enumerate(names)}
+        splits = np.zeros((len(names), counts.shape[1] + 1), dtype=np.int64)
+        np.cumsum(counts, axis=1, out=splits[:, 1:])
         unique_ids: dict[str, np.ndarray] = {}
         routed: dict[str, Routed] = {}
         spans: dict[str, tuple[int, int]] = {}
+        at: dict[int, int] = {}  # feature -> start of its ids in `all_ids` / `inverse`
         for t, name in enumerate(names):
             start, stop = int(unique_starts[t]), int(unique_starts[t + 1])
             ids = unique_ids[name] = unique[start:stop]
-            splits = np.zeros(counts.shape[1] + 1, dtype=np.int64)
-            np.cumsum(counts[t], out=splits[1:])
+            bounds = splits[t]
             routed[name] = Routed(
-                [ids[splits[s] : splits[s + 1]] for s in range(counts.shape[1])], None, splits
+                [ids[bounds[s] : bounds[s + 1]] for s in range(counts.shape[1])], None, bounds
             )
             spans[name] = (start, stop)
+            position = int(table_starts[t])
+            for f in per_table[name]:
+                at[f] = position
+                position += features[f][3]
+        position_of = {name: t for t, name in enumerate(names)}
+        single_valued = sparse.single_valued
         pooled: list[_FeatureIndex] = []
         sequences: list[_FeatureIndex] = []
-        fused_parts: list[np.ndarray] = []
-        for key, table, start, size, feature_lengths, sequence_mask in features:
-            at = int(table_starts[position[table]]) + start
-            index = inverse[at : at + size]  # positions into all tables' unique ids
-            local = index - unique_starts[position[table]]
-            if sequence_mask is not None:
-                sequences.append(_FeatureIndex(key, table, local, None, sequence_mask))
+        for f, (key, table, _, size, mask) in enumerate(features):
+            index = inverse[at[f] : at[f] + size]  # positions into all tables' unique ids
+            local = index - unique_starts[position_of[table]]
+            if mask is not None:
+                sequences.append(_FeatureIndex(key, table, local, None, mask))
                 continue
-            assert feature_lengths is not None
-            single = size == b and bool((feature_lengths == 1).all())
+            lengths = sparse.lengths[f * b : (f + 1) * b]
+            single = single_valued or (size == b and bool((lengths == 1).all()))
             offsets = None
             if not single:
                 offsets = np.zeros(b, dtype=np.int64)
-                np.cumsum(feature_lengths[:-1], out=offsets[1:])
+                np.cumsum(lengths[:-1], out=offsets[1:])
             pooled.append(_FeatureIndex(key, table, local, offsets, None, single))
-            fused_parts.append(index)
         fused = (
             bool(pooled)
             and not sequences
             and all(f.single_valued for f in pooled)
             and len({self.table_dims[name] for name in names}) == 1
         )
-        fused_index = np.stack(fused_parts, axis=1).reshape(-1) if fused else None  # sample major
+        fused_index = None
+        if fused:  # sample major: (F, B) positions -> (B, F)
+            if in_place:
+                by_feature = inverse.reshape(len(pooled), b)
+            else:
+                by_feature = np.stack([inverse[at[f] : at[f] + b] for f in range(len(pooled))])
+            fused_index = np.ascontiguousarray(by_feature.T).reshape(-1)
         return LookupPlan(unique_ids, routed, pooled, sequences, b, spans, fused_index)
 
     def _feature_table(self, key: str) -> str:
