@@ -265,12 +265,9 @@ class EmbeddingClient:
             and len({self.table_dims[name] for name in names}) == 1
         )
         fused_index = None
-        if fused:  # sample major: (F, B) positions -> (B, F)
-            if in_place:
-                by_feature = inverse.reshape(len(pooled), b)
-            else:
-                by_feature = np.stack([inverse[at[f] : at[f] + b] for f in range(len(pooled))])
-            fused_index = np.ascontiguousarray(by_feature.T).reshape(-1)
+        if fused:  # sample major: (B, F) positions, one copy
+            columns = [inverse[at[f] : at[f] + b] for f in range(len(pooled))]
+            fused_index = np.stack(columns, axis=1).reshape(-1)
         return LookupPlan(unique_ids, routed, pooled, sequences, b, spans, fused_index)
 
     def _feature_table(self, key: str) -> str:
