@@ -14,6 +14,8 @@ Readers hand over the column `__row_id` too (global row ids, see `psrec.data.uni
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -93,13 +95,21 @@ def pad_sequences(ids: np.ndarray, lengths: np.ndarray, max_length: int) -> Padd
 
 
 def _dense_column(feature: DenseFeature, column: pa.ChunkedArray) -> np.ndarray:
-    values = column.cast(pa.float64()).to_numpy()
-    values = np.where(np.isfinite(values), values, feature.fill)
+    """float32 values with missing/non-finite -> fill, then clip, then log1p(max(x, 0)).
+
+    Missing values are found in float64; the arithmetic runs in float32, where NumPy's log1p is
+    vectorised (about 2.5x faster here than float64). The float32 result differs by at most one unit
+    in the last place, and finite values beyond float32's range become +-inf before clip/log1p.
+    """
+    raw = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
+    with np.errstate(over="ignore"):
+        values = np.where(np.isfinite(raw), raw.astype(np.float32), np.float32(feature.fill))
     if feature.clip is not None:
-        values = np.clip(values, feature.clip[0], feature.clip[1])
+        np.clip(values, np.float32(feature.clip[0]), np.float32(feature.clip[1]), out=values)
     if feature.log1p:
-        values = np.log1p(np.maximum(values, 0.0))
-    return values.astype(np.float32)
+        np.maximum(values, np.float32(0.0), out=values)
+        np.log1p(values, out=values)
+    return values
 
 
 def prepare_table(schema: Schema, table: pa.Table) -> pa.Table:
@@ -134,6 +144,28 @@ def _list_ids(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False), lengths
 
 
+def _sparse_batch(schema: Schema, column: Callable[[str], pa.Array], batch_size: int) -> SparseBatch:
+    """The sparse features of a prepared table, key-major: one concatenation for ids and lengths."""
+    if not schema.sparse:
+        return SparseBatch((), np.zeros(0, np.int64), np.zeros(0, np.int32))
+    ones = None
+    ids: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    for feature in schema.sparse:
+        values = column(feature.name)
+        if feature.multi_valued:
+            feature_ids, feature_lengths = _list_ids(values)
+        else:
+            feature_ids = values.to_numpy(zero_copy_only=False)
+            if ones is None:
+                ones = np.ones(batch_size, dtype=np.int32)
+            feature_lengths = ones
+        ids.append(feature_ids)
+        lengths.append(feature_lengths)
+    keys = tuple(feature.name for feature in schema.sparse)
+    return SparseBatch(keys, np.concatenate(ids).astype(np.int64, copy=False), np.concatenate(lengths))
+
+
 def table_to_batch(schema: Schema, table: pa.Table) -> Batch:
     """Assemble a `Batch` from a prepared table (see `prepare_table`)."""
     table = table.combine_chunks()
@@ -147,18 +179,7 @@ def table_to_batch(schema: Schema, table: pa.Table) -> Batch:
     dense = np.empty((table.num_rows, len(schema.dense)), dtype=np.float32)  # (B, num_dense)
     for index, feature in enumerate(schema.dense):
         dense[:, index] = column(feature.name).to_numpy(zero_copy_only=False)
-    features: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for sparse_feature in schema.sparse:
-        values = column(sparse_feature.name)
-        if sparse_feature.multi_valued:
-            features[sparse_feature.name] = _list_ids(values)
-        else:
-            ids = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-            features[sparse_feature.name] = (ids, np.ones(ids.size, dtype=np.int32))
-    if features:
-        sparse = SparseBatch.from_features(features)
-    else:
-        sparse = SparseBatch((), np.zeros(0, np.int64), np.zeros(0, np.int32))
+    sparse = _sparse_batch(schema, column, table.num_rows)
     sequences = {
         sequence.name: pad_sequences(*_list_ids(column(sequence.name)), sequence.max_length)
         for sequence in schema.sequences
