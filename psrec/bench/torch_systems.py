@@ -6,7 +6,8 @@
   row-wise Adagrad fused into backward), when ``torchrec`` + ``fbgemm-gpu-cpu`` import; an optional
   extra, never a psrec dependency: without it the system reports ``skipped: <reason>``.
 - `run_ceiling`: (e) the dense-only ceiling: the same DLRM fed embedding rows that are already pooled
-  (random (B, F, D) tensors), so only MLPs + interaction + Adam run — in fp32 or under bf16 autocast,
+  (random (B, F, D) tensors), so only MLPs + interaction + Adam run (backward includes the gradient of
+  those rows, which any embedding system needs) — in fp32 or under bf16 autocast,
   eager or compiled as psrec's `training.compile` does (`compile_dense_model`). No embedding system
   can beat it on this machine at the same settings.
 
@@ -194,15 +195,18 @@ def run_ceiling(
 
         compile_dense_model(model)
     train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=2)
-    # (B, F, D), pre-gathered; under bf16 in bf16, as psrec's embedding path hands DLRM its rows
+    # (B, F, D), pre-gathered; under bf16 in bf16, as psrec's embedding path hands DLRM its rows.
+    # Backward computes their gradient too: every embedding system needs it to train its rows.
     dtype = torch.bfloat16 if bf16 else torch.float32
-    pooled = [(torch.rand(b.batch_size, 26, workload.dim) * 0.1).to(dtype) for b in train]
+    pooled = [(torch.rand(b.batch_size, 26, workload.dim) * 0.1).to(dtype).requires_grad_() for b in train]
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
     pairs = dict(zip((id(b) for b in train), pooled, strict=True))
 
     def step(batch: TensorBatch) -> None:
+        rows = pairs[id(batch)]
+        rows.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = model.loss(ModelInput(batch.dense, pairs[id(batch)]), batch.labels)
+            loss, _ = model.loss(ModelInput(batch.dense, rows), batch.labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
