@@ -12,10 +12,17 @@ work to a thread this way::
 
 The source runs on the thread only, and `close` returns after the thread has stopped, so the
 source (a file reader, a generator) is never used by two threads at once.
+
+An `InputGate` lets the consumer hold producers back while it runs work of its own that they would
+slow down: a producer waits at the gate before each item (an item already begun runs to its end).
+The in-process trainer holds its reader and planner threads back while it pulls and pushes rows:
+that work is Python plus numba on the training thread, and it took 3.2-4.1 ms instead of 1.8-2.2 ms
+per step when the input threads ran beside it (GIL and both cores shared); see docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -28,6 +35,33 @@ _END = object()
 _POLL_SECONDS = 0.05  # how often a producer blocked on a full queue checks for `close`
 
 
+class InputGate:
+    """Open unless some thread holds it (`with gate.held(): ...`, nestable); producers wait at it."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+        self._holds = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        with self._lock:
+            self._holds += 1
+            self._open.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if self._holds == 0:
+                    self._open.set()
+
+    def wait(self, timeout: float) -> bool:
+        """True once the gate is open, False if it stayed closed for `timeout` seconds."""
+        return self._open.wait(timeout)
+
+
 @dataclass
 class _Failure:
     error: BaseException
@@ -36,10 +70,13 @@ class _Failure:
 class BackgroundIterator(Generic[T]):
     """Items of `source()` produced on a daemon thread, up to `depth` ahead (see the module docstring)."""
 
-    def __init__(self, source: Callable[[], Iterator[T]], *, depth: int, name: str) -> None:
+    def __init__(
+        self, source: Callable[[], Iterator[T]], *, depth: int, name: str, gate: InputGate | None = None
+    ) -> None:
         if depth < 1:
             raise ValueError(f"BackgroundIterator depth must be >= 1, got {depth}")
         self._source = source
+        self._gate = gate
         self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -55,11 +92,25 @@ class BackgroundIterator(Generic[T]):
                 continue
         return False
 
+    def _through_gate(self) -> bool:
+        """Wait for the gate to be open; False if `close` came first."""
+        if self._gate is not None:
+            while not self._gate.wait(_POLL_SECONDS):
+                if self._stop.is_set():
+                    return False
+        return not self._stop.is_set()
+
     def _run(self) -> None:
         try:
-            for item in self._source():
+            items = self._source()
+            while self._through_gate():
+                item = next(items, _END)
+                if item is _END:
+                    break
                 if self._stop.is_set() or not self._put(item):
                     return
+            else:
+                return  # closed while waiting at the gate
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Failure(error))
             return

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from psrec.data.background import BackgroundIterator
+from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, prepare_table, table_to_batch
@@ -196,8 +196,10 @@ class BatchReader:
         prefetch: int,
         errors: BadRows,
         info: dict[str, Any],
+        gate: InputGate | None = None,
     ) -> None:
         self._produce = produce
+        self._gate = gate
         self._position = position
         self._prefetch = prefetch
         self._errors = errors
@@ -224,7 +226,9 @@ class BatchReader:
             for batch, position in self._produce():
                 yield self._deliver(batch, position)
             return
-        self._background = BackgroundIterator(self._produce, depth=self._prefetch, name="psrec-prefetch")
+        self._background = BackgroundIterator(
+            self._produce, depth=self._prefetch, name="psrec-prefetch", gate=self._gate
+        )
         try:
             for batch, position in self._background:
                 yield self._deliver(batch, position)
@@ -285,6 +289,7 @@ def open_reader(
     position: dict[str, Any] | None = None,
     prefetch: int = 2,
     drop_last: bool = False,
+    gate: InputGate | None = None,
 ) -> BatchReader:
     """Open shard `shard` of `num_shards` of `source` as batches; see the module docstring.
 
@@ -293,7 +298,8 @@ def open_reader(
     e.g. `base_seed * 1000 + epoch`. position: `BatchReader.position()` of an earlier reader with the
     same source, shard, num_shards, seed and shuffle_buffer (batch_size may differ). prefetch: batches
     prepared ahead in a background thread (0: in the caller's thread). drop_last: leave out a final
-    batch smaller than batch_size.
+    batch smaller than batch_size. gate: the prefetch thread waits at it before each batch (see
+    `psrec.data.background.InputGate`).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -341,4 +347,6 @@ def open_reader(
     # Parquet knows its row counts from the footers; text formats would need a pass.
     shard_rows = sum(u.stop - u.start for u in units) if source.format == "parquet" else None
     info = {"files": len(files), "units": len(all_units), "shard_units": len(units), "shard_rows": shard_rows}
-    return BatchReader(produce, position={**identity, **start}, prefetch=prefetch, errors=errors, info=info)
+    return BatchReader(
+        produce, position={**identity, **start}, prefetch=prefetch, errors=errors, info=info, gate=gate
+    )

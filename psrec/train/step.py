@@ -34,6 +34,7 @@ submitting + waiting for rows); work moved off it is reported as ``plan_overlapp
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from psrec.data.background import BackgroundIterator
+from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
 from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows
 
@@ -84,6 +85,7 @@ class _Planner:
         client: EmbeddingClient,
         timer: PhaseTimer,
         position: Callable[[], Any] | None,
+        gate: InputGate | None = None,
     ) -> None:
         self.source = batches
 
@@ -98,7 +100,7 @@ class _Planner:
                 timer.add("plan" + OVERLAPPED, start)
                 yield batch, plan, after
 
-        self._plans = BackgroundIterator(plans, depth=2, name="psrec-planner")
+        self._plans = BackgroundIterator(plans, depth=2, name="psrec-planner", gate=gate)
 
     def next(self) -> tuple[Batch, LookupPlan, Any] | None:
         """The next routed batch and the reader position after it, or None once the reader ran out."""
@@ -145,6 +147,7 @@ class StepRunner:
         staleness: int = 1,
         grad_clip_norm: float | None = None,
         bf16: bool = False,
+        input_gate: InputGate | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -160,6 +163,8 @@ class StepRunner:
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
         self._planner: _Planner | None = None
+        # Held while this thread pulls and pushes in-process (see psrec.data.background.InputGate).
+        self.input_gate = input_gate
         # Reader position after the last batch trained on (None: none yet from this reader).
         self.trained_position: Any = None
 
@@ -171,9 +176,14 @@ class StepRunner:
         if item is None:
             return False
         batch, plan, position = item
-        ahead.append(_Prefetched(batch, plan, self.client.submit_pull(plan, train=True), position))
+        with self._holding_input():
+            handles = self.client.submit_pull(plan, train=True)
+        ahead.append(_Prefetched(batch, plan, handles, position))
         self.timer.add("pull", start)
         return True
+
+    def _holding_input(self) -> contextlib.AbstractContextManager[None]:
+        return self.input_gate.held() if self.input_gate is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """Stop the planner (before its reader is closed or replaced); forget the trained position."""
@@ -200,7 +210,7 @@ class StepRunner:
         ahead: collections.deque[_Prefetched] = collections.deque()
         if self._planner is None or self._planner.source is not batches:
             self.close()
-            self._planner = _Planner(batches, self.client, self.timer, position)
+            self._planner = _Planner(batches, self.client, self.timer, position, self.input_gate)
         planner = self._planner
         taken = 0
         exhausted = False
@@ -236,7 +246,8 @@ class StepRunner:
                     break
                 current = ahead.popleft()
                 start = time.perf_counter()
-                pulled = self.client.collect_pull(current.plan, current.handles)
+                with self._holding_input():
+                    pulled = self.client.collect_pull(current.plan, current.handles)
                 self.timer.add("pull", start)
                 result = self._train(current.batch, pulled, step, submit_next)
                 self.trained_position = current.position
@@ -261,20 +272,21 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         start = timer.add("backward", start)
-        handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
         barrier = self.mode == "sync" and self.world_size > 1
-        if barrier:
-            for handle in handles:  # the allreduce below is the barrier that makes the step complete
-                handle.result()
-            start = timer.add("push", start)
-        else:
-            # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
-            # so the next pull (submitted now, after this push) sees this push without waiting for it.
-            self._unacknowledged.append(handles)
-            while len(self._unacknowledged) > max(1, self.staleness):
-                for handle in self._unacknowledged.popleft():
+        with self._holding_input():
+            handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
+            if barrier:
+                for handle in handles:  # the allreduce below is the barrier that makes the step complete
                     handle.result()
-            timer.add("push", start)
+            else:
+                # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
+                # so the next pull (submitted now, after this push) sees this push without waiting.
+                self._unacknowledged.append(handles)
+                while len(self._unacknowledged) > max(1, self.staleness):
+                    for handle in self._unacknowledged.popleft():
+                        handle.result()
+        start = timer.add("push", start)
+        if not barrier:
             submit_next()  # records its own plan / pull time
             start = time.perf_counter()
         allreduce_mean_(self._dense_grads() + self._running_statistics(), self.world_size)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from psrec.config import RunConfig
+from psrec.data.background import InputGate
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
 from psrec.ps.actors import RayConnection, set_thread_counts
@@ -80,6 +81,7 @@ class TrainerWorker:
         self.collective = self.config.ps.strategy == "collective"
         self.local_shard: ParameterShard | None = None
         self._collective_connection: Any = None
+        self._input_gate: InputGate | None = None
         if self.collective:
             self.local_shard = ParameterShard(
                 trainer_index,
@@ -94,6 +96,8 @@ class TrainerWorker:
                 LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
             ]
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
+            if local:  # pulls and pushes run on the training thread: input threads hold back then
+                self._input_gate = InputGate()
             self._build_runner(
                 EmbeddingClient(
                     connections,
@@ -146,6 +150,7 @@ class TrainerWorker:
             staleness=self.config.ps.staleness,
             grad_clip_norm=training.grad_clip_norm,
             bf16=training.dense_precision == "bf16",
+            input_gate=self._input_gate,
         )
 
     def _build_collective_client(self) -> None:
@@ -238,6 +243,7 @@ class TrainerWorker:
             shuffle_buffer=training.shuffle_buffer,
             seed=training.seed * 1000 + epoch,
             position=position,
+            gate=self._input_gate,
         )
         self._batches = iter(self._reader)
         self._skipped_reported = 0

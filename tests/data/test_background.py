@@ -1,4 +1,4 @@
-"""BackgroundIterator: order, bounded read-ahead, errors re-raised with their type, clean close."""
+"""BackgroundIterator: order, bounded read-ahead, errors re-raised with their type, clean close, gate."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from psrec.data.background import BackgroundIterator
+from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.errors import BadRowError
 
 
@@ -65,3 +65,35 @@ def test_close_stops_a_producer_blocked_on_a_full_queue_and_wakes_a_waiting_cons
     threading.Timer(0.1, release.set).start()
     assert next(waiting, None) is None
     waiting.close()
+
+
+def test_a_held_gate_keeps_the_producer_from_starting_items_until_released() -> None:
+    gate = InputGate()
+    produced: list[int] = []
+
+    def source() -> Iterator[int]:
+        for i in range(5):
+            produced.append(i)
+            yield i
+
+    with gate.held():
+        items = BackgroundIterator(source, depth=4, name="bg-gate", gate=gate)
+        time.sleep(0.2)
+        assert produced == []  # not one item begun while held
+        with gate.held():  # nested holds: open only after the outermost ends
+            pass
+        time.sleep(0.15)
+        assert produced == []
+    assert list(items) == [0, 1, 2, 3, 4]
+    items.close()
+    assert not _alive("bg-gate")
+
+
+def test_close_stops_a_producer_waiting_at_a_held_gate() -> None:
+    gate = InputGate()
+    with gate.held():
+        items = BackgroundIterator(lambda: iter(range(3)), depth=1, name="bg-gate-close", gate=gate)
+        time.sleep(0.1)
+        items.close()
+        assert not _alive("bg-gate-close")
+    assert next(items, None) is None

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from psrec.data.background import InputGate
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRowError
 from psrec.data.reader import open_reader
@@ -21,17 +22,19 @@ from psrec.train.step import OVERLAPPED, StepRunner
 from tests.conftest import small_run_config
 
 
-def _setup(config: Any) -> tuple[StepRunner, list[ParameterShard]]:
+def _setup(
+    config: Any, gate: InputGate | None = None, connection: type[LocalConnection] = LocalConnection
+) -> tuple[StepRunner, list[ParameterShard]]:
     torch.manual_seed(config.training.seed)
     shards = [ParameterShard(i, builders.build_tables(config)) for i in range(2)]
     model = builders.build_model_for(config)
     client = EmbeddingClient(
-        [LocalConnection(shard) for shard in shards],
+        [connection(shard) for shard in shards],
         builders.bucket_map(config),
         table_dims={n: s.dim for n, s in builders.table_specs(config).items()},
         feature_tables=builders.feature_tables(config),
     )
-    runner = StepRunner(model, builders.build_dense_optimizer(config, model), client)
+    runner = StepRunner(model, builders.build_dense_optimizer(config, model), client, input_gate=gate)
     return runner, shards
 
 
@@ -91,6 +94,36 @@ def test_pipelined_steps_equal_plain_sequential_steps(
             np.testing.assert_array_equal(shard.table_rows()[table][0], ids)
             np.testing.assert_array_equal(shard.table_rows()[table][1], rows)
     assert runner.timer.seconds["plan" + OVERLAPPED] > 0
+
+
+def test_in_process_pulls_and_pushes_hold_the_input_gate_and_change_no_result(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    gate = InputGate()
+    held_during: list[tuple[str, bool]] = []
+
+    class Spying(LocalConnection):
+        def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Any:
+            held_during.append(("pull", not gate.wait(0)))
+            return super().pull(requests, train=train)
+
+        def push(self, trainer: int, request_id: int, step: int, gradients: Any) -> Any:
+            held_during.append(("push", not gate.wait(0)))
+            return super().push(trainer, request_id, step, gradients)
+
+    config = small_run_config(synthetic_sources, tmp_path)
+    batches = _batches(config, synthetic_sources, 6)
+    gated, gated_shards = _setup(config, gate, Spying)
+    losses = [r.loss for r in gated.run(iter(batches), first_step=0, max_steps=6)]
+    assert {call for call, _ in held_during} == {"pull", "push"}
+    assert all(held for _, held in held_during)
+    assert gate.wait(0)  # open again between runs: the input threads may read ahead
+
+    plain, plain_shards = _setup(config)
+    assert losses == [r.loss for r in plain.run(iter(batches), first_step=0, max_steps=6)]
+    for shard, other in zip(gated_shards, plain_shards, strict=True):
+        for table, (_ids, rows) in other.table_rows().items():
+            np.testing.assert_array_equal(shard.table_rows()[table][1], rows)
 
 
 def test_planner_reads_ahead_across_runs_and_records_the_trained_position(
