@@ -122,6 +122,11 @@ class TrainingConfig(_Strict):
     # torch.compile (inductor) the dense model's loss and predict; the first steps take seconds longer
     compile: bool = False
     shuffle_buffer: int = Field(0, ge=0)
+    cache_data: bool = Field(
+        False,
+        description="keep the prepared (decoded, hashed) training rows in memory after the first epoch; "
+        "later epochs skip reading and hashing (each trainer holds its share; not for interactions)",
+    )
     seed: int = 0
 
 

@@ -16,6 +16,12 @@ permutes it the same way and drops the rows already delivered: exactly the remai
 shard, in the same order. Without shuffling a window is simply each table read, and the position is
 the last row delivered.
 
+A `PreparedCache` passed to every epoch's reader keeps the prepared tables of each unit read whole
+(decoded, hashed, transformed: everything before the shuffle), so later epochs skip the format
+reader and `prepare_table`, as tf.data's `cache()` does; windows, shuffles, batches and positions are
+built from them exactly as from a fresh read. The interactions format is never cached (it draws new
+negatives each epoch).
+
 Typical use, one reader per epoch::
 
     for epoch in range(epochs):
@@ -101,14 +107,53 @@ class _Window:
         return {"window": self.index, "unit": self.unit, "after": last, "consumed": 0}
 
 
+class PreparedCache:
+    """Prepared tables per unit, kept across epochs in memory (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[Unit, list[pa.Table]] = {}
+        self.nbytes = 0
+
+    def get(self, unit: Unit) -> list[pa.Table] | None:
+        return self._tables.get(unit)
+
+    def put(self, unit: Unit, tables: list[pa.Table]) -> None:
+        if unit not in self._tables:
+            self._tables[unit] = tables
+            self.nbytes += sum(table.nbytes for table in tables)
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
 def _stream(
-    reader: FormatReader, schema: Schema, units: list[Unit], unit: int, after: int | None
+    reader: FormatReader,
+    schema: Schema,
+    units: list[Unit],
+    unit: int,
+    after: int | None,
+    cache: PreparedCache | None = None,
 ) -> Iterator[tuple[int, pa.Table]]:
-    """(unit index, prepared table) of the units from `unit` on, starting after offset `after`."""
+    """(unit index, prepared table) of the units from `unit` on, starting after offset `after`.
+
+    With a cache, a unit read from its start is served from it, or read and then kept (only once
+    read to its end: a reader closed midway stores nothing partial)."""
     for index in range(unit, len(units)):
-        for table in reader.read(units[index], after if index == unit else None):
+        first_after = after if index == unit else None
+        whole = cache is not None and first_after is None
+        cached = cache.get(units[index]) if cache is not None and whole else None
+        if cached is not None:
+            for table in cached:
+                yield index, table
+            continue
+        prepared: list[pa.Table] = []
+        for table in reader.read(units[index], first_after):
             if table.num_rows:
-                yield index, prepare_table(schema, table)
+                table = prepare_table(schema, table)
+                prepared.append(table)
+                yield index, table
+        if cache is not None and whole:
+            cache.put(units[index], prepared)
 
 
 def _last_offset(table: pa.Table) -> int:
@@ -290,6 +335,7 @@ def open_reader(
     prefetch: int = 2,
     drop_last: bool = False,
     gate: InputGate | None = None,
+    cache: PreparedCache | None = None,
 ) -> BatchReader:
     """Open shard `shard` of `num_shards` of `source` as batches; see the module docstring.
 
@@ -299,7 +345,8 @@ def open_reader(
     same source, shard, num_shards, seed and shuffle_buffer (batch_size may differ). prefetch: batches
     prepared ahead in a background thread (0: in the caller's thread). drop_last: leave out a final
     batch smaller than batch_size. gate: the prefetch thread waits at it before each batch (see
-    `psrec.data.background.InputGate`).
+    `psrec.data.background.InputGate`). cache: where prepared rows are kept for the next epoch's
+    reader (pass the same one each epoch; ignored for the interactions format).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -308,6 +355,8 @@ def open_reader(
     errors = BadRows(source.on_error)
     files = expand_paths(source.paths, base_dir)
     format_reader = make_format_reader(source, schema, files, errors, seed=seed)
+    if source.format == "interactions":
+        cache = None  # its rows depend on the seed (negatives are drawn anew each epoch)
     all_units = format_reader.units()
     units = shard_units(all_units, shard, num_shards)
     if shuffle_buffer > 0:
@@ -331,7 +380,7 @@ def open_reader(
         return np.random.default_rng([seed, shard, window]).permutation(rows)
 
     def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
-        stream = _stream(format_reader, schema, units, start["unit"], start["after"])
+        stream = _stream(format_reader, schema, units, start["unit"], start["after"], cache)
         grouped = windows(
             stream,
             start=(start["unit"], start["after"]),

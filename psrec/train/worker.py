@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
-from psrec.data.reader import open_reader
+from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
 from psrec.ps.actors import RayConnection, set_thread_counts
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
@@ -82,6 +82,8 @@ class TrainerWorker:
         self.local_shard: ParameterShard | None = None
         self._collective_connection: Any = None
         self._input_gate: InputGate | None = None
+        # training.cache_data: prepared training rows kept from the first epoch's read for the next ones
+        self._data_cache = PreparedCache() if self.config.training.cache_data else None
         if self.collective:
             self.local_shard = ParameterShard(
                 trainer_index,
@@ -244,6 +246,7 @@ class TrainerWorker:
             seed=training.seed * 1000 + epoch,
             position=position,
             gate=self._input_gate,
+            cache=self._data_cache,
         )
         self._batches = iter(self._reader)
         self._skipped_reported = 0

@@ -40,6 +40,17 @@ def test_in_process_training_learns(dataset: dict[str, Any], tmp_path: Path, pre
     assert summary["tables"]["C1"]["rows"] > 0
 
 
+def test_cached_data_trains_exactly_like_reading_every_epoch(dataset: dict[str, Any], tmp_path: Path) -> None:
+    """training.cache_data: epochs 2+ come from memory; the run is the same, step for step."""
+    options = {"training.epochs": 2, "training.shuffle_buffer": 5000}
+    plain = train(make_config(dataset, tmp_path / "plain", **options))
+    cached = train(make_config(dataset, tmp_path / "cached", **options, **{"training.cache_data": True}))
+    assert cached["rows_consumed"] == plain["rows_consumed"] == 2 * 24_000
+    assert cached["steps"] == plain["steps"]
+    assert cached["validation"] == plain["validation"]
+    assert cached["tables"] == plain["tables"]
+
+
 def _oracle(config: RunConfig, sources: dict[str, Any], steps: int) -> tuple[dict[str, Any], Any]:
     """One in-process trainer fed, at step k, the union of both trainers' k-th batches (batch 2b)."""
     torch.manual_seed(config.training.seed)
