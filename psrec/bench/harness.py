@@ -75,6 +75,32 @@ _SYSTEMS = [
         ),
         ceiling="ceiling-bf16-compile",
     ),
+    System(
+        "psrec-bf16-cached",
+        "(c) psrec in-process, bf16 dense, rows in memory (cache_data, epoch 2)",
+        partial(
+            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", cache_data=True
+        ),
+        ceiling="ceiling-bf16",
+    ),
+    System(
+        "psrec-bf16-compile-cached",
+        "(c) psrec in-process, bf16 dense, torch.compile, rows in memory (cache_data, epoch 2)",
+        partial(
+            psrec_systems.run_psrec,
+            runtime="local",
+            num_shards=1,
+            dense_precision="bf16",
+            compile_model=True,
+            cache_data=True,
+        ),
+        ceiling="ceiling-bf16-compile",
+    ),
+    System(
+        "psrec-cached",
+        "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)",
+        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, cache_data=True),
+    ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
         "ceiling-bf16",

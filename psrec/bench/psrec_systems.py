@@ -7,7 +7,10 @@ driver's cumulative training seconds, so the rate of the chunks after the first 
 (with `training.compile`, the first, untimed chunk holds the compile; every timed batch is full, so
 none recompiles).
 psrec reads and hashes its batches inside that time (the reader's prefetch thread), which the
-PyTorch-only systems do not.
+PyTorch-only systems do not: they load their batches before timing. The `*-cached` systems compare
+like for like: `training.cache_data` with two epochs, the first untimed, so the timed steps train
+from rows already in memory (decoded and hashed), as the baselines do; batching and routing still
+run in the timed steps.
 
 Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits on 2 cores) and
 measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled).
@@ -53,10 +56,16 @@ def bench_config(
     compile_model: bool = False,
     wire_precision: str = "fp32",
     reserve: bool = True,
+    cache_data: bool = False,
 ) -> dict[str, Any]:
-    """The psrec run config (a plain dict for `parse_config`) of this workload."""
+    """The psrec run config (a plain dict for `parse_config`) of this workload.
+
+    With `cache_data`, a first (untimed) epoch reads the data into `training.cache_data`'s cache and
+    the warm-up + timed steps follow in the second epoch."""
     chunk = max(1, workload.warmup_steps)
     timed_chunks = -(-workload.steps // chunk)
+    steps = chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps
+    first_epoch = epoch_steps(workload) if cache_data else 0
     trainer_threads = trainer_threads or workload.threads
     table = {
         "dim": workload.dim,
@@ -84,7 +93,9 @@ def bench_config(
         "embedding": {"default": table, "tables": tables},
         "training": {
             "batch_size": workload.batch_size,
-            "max_steps": chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps,
+            "max_steps": first_epoch + steps,
+            "epochs": 2 if cache_data else 1,
+            "cache_data": cache_data,
             "log_every_steps": chunk,
             "dense_optimizer": {"name": "adam", "lr": workload.dense_lr},
             "dense_precision": dense_precision,
@@ -104,12 +115,18 @@ def bench_config(
     }
 
 
-def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool) -> dict[str, Any]:
+def epoch_steps(workload: Workload) -> int:
+    return -(-workload.train_rows // workload.batch_size)
+
+
+def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int = 0) -> dict[str, Any]:
     """Rate of the chunks after the first (warm-up) one, from cumulative progress reports.
 
     Each report carries the driver's cumulative samples and samples/s (hence training seconds) and
     the CPU seconds used so far by this process and the psrec actors (`cpu`, added by the bench).
+    Reports of epochs before `from_epoch` are left out.
     """
+    reports = [report for report in reports if report.get("epoch", 0) >= from_epoch] or reports
     points = [(r["samples"], r["samples"] / max(r["samples_per_second"], 1e-12), r["cpu"]) for r in reports]
     first = points[0] if has_warmup and len(points) > 1 else (0, 0.0, points[0][2])
     samples, seconds, cpu = (points[-1][i] - first[i] for i in range(3))
@@ -199,6 +216,7 @@ def run_psrec(
     compile_model: bool = False,
     wire_precision: str = "fp32",
     reserve: bool = True,
+    cache_data: bool = False,
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -226,6 +244,7 @@ def run_psrec(
                 compile_model=compile_model,
                 wire_precision=wire_precision,
                 reserve=reserve,
+                cache_data=cache_data,
             ),
             source="<bench>",
         )
@@ -257,7 +276,7 @@ def run_psrec(
         else:
             summary = train(config, progress=progress, resume=False)
             actors_rss = 0
-    result: dict[str, Any] = _timed_rate(reports, workload.warmup_steps > 0)
+    result: dict[str, Any] = _timed_rate(reports, workload.warmup_steps > 0, from_epoch=int(cache_data))
     result.update(
         auc=summary.get("validation", {}).get("auc"),
         peak_rss_bytes=peak_rss_bytes() + actors_rss,

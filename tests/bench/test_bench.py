@@ -12,6 +12,7 @@ import pytest
 
 from psrec.bench import cli as commands
 from psrec.bench.harness import DEFAULT_SYSTEMS, resolve_systems, run_bench, step_profile, summarize
+from psrec.bench.psrec_systems import _timed_rate, epoch_steps
 from psrec.bench.workload import Workload
 
 
@@ -75,6 +76,31 @@ def test_step_profile_accounts_for_the_whole_step() -> None:
     assert profile["pull"] == pytest.approx(100.0)
     assert profile["other"] == pytest.approx(150.0)
     assert profile["total"] == pytest.approx(500.0)
+
+
+def test_timed_rate_can_leave_out_the_first_epoch() -> None:
+    # cumulative reports: (epoch, samples, samples/s over all training so far, cpu)
+    points = [(0, 100, 50.0, 1.0), (0, 200, 50.0, 2.0), (1, 300, 60.0, 3.0), (1, 500, 62.5, 4.0)]
+    reports = [
+        {"epoch": e, "step": n // 100, "samples": n, "samples_per_second": r, "cpu": c}
+        for e, n, r, c in points
+    ]
+    everything = _timed_rate(reports, has_warmup=True)
+    assert everything["timed_samples"] == 400 and everything["timed_seconds"] == pytest.approx(6.0)
+    second = _timed_rate(reports, has_warmup=True, from_epoch=1)  # warm-up = epoch 1's first chunk
+    assert second["timed_samples"] == 200 and second["timed_seconds"] == pytest.approx(3.0)
+    assert second["samples_per_second"] == pytest.approx(200 / 3.0) and second["timed_steps"] == 2
+
+
+def test_cached_system_times_the_second_epoch(tmp_path: Path) -> None:
+    workload = tiny_workload(tmp_path / "cache")
+    report = run_bench(workload, ["psrec-cached"], rounds=1, isolate=False)
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["samples_per_second"] > 0
+    (run,) = report["runs"]
+    first_epoch = epoch_steps(workload)
+    assert run["steps"] == first_epoch + workload.warmup_steps + workload.steps
+    assert run["timed_steps"] == workload.steps
 
 
 @pytest.mark.ray
