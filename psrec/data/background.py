@@ -15,9 +15,11 @@ source (a file reader, a generator) is never used by two threads at once.
 
 An `InputGate` lets the consumer hold producers back while it runs work of its own that they would
 slow down: a producer waits at the gate before each item (an item already begun runs to its end).
-The in-process trainer holds its reader and planner threads back while it pulls and pushes rows:
-that work is Python plus numba on the training thread, and it took 3.2-4.1 ms instead of 1.8-2.2 ms
-per step when the input threads ran beside it (GIL and both cores shared); see docs/benchmarks.md.
+The in-process trainer holds its reader and planner threads back while it pulls and pushes rows and
+while its dense optimizer steps: that work is Python plus numba (or many small torch ops) on the
+training thread, and the pull took 3.2-4.1 ms instead of 1.8-2.2 ms per step when the input threads
+ran beside it (GIL and both cores shared). The input threads then work during forward and backward,
+in long torch ops that release the GIL; see docs/benchmarks.md.
 """
 
 from __future__ import annotations

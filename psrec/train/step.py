@@ -294,9 +294,10 @@ class StepRunner:
         if barrier:
             submit_next()  # every trainer's push of this step is applied: the next pull is exact
             start = time.perf_counter()
-        if self.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
-        self.optimizer.step()
+        with self._holding_input():  # many small ops, each through Python: the input threads wait
+            if self.grad_clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+            self.optimizer.step()
         timer.add("optimizer", start)
         return StepResult(step, float(loss.detach()), scores.numpy(), batch.labels, batch.row_ids)
 

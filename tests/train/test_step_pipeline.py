@@ -114,8 +114,15 @@ def test_in_process_pulls_and_pushes_hold_the_input_gate_and_change_no_result(
     config = small_run_config(synthetic_sources, tmp_path)
     batches = _batches(config, synthetic_sources, 6)
     gated, gated_shards = _setup(config, gate, Spying)
+    dense_step = gated.optimizer.step
+
+    def spying_step() -> Any:
+        held_during.append(("optimizer", not gate.wait(0)))
+        return dense_step()
+
+    gated.optimizer.step = spying_step  # type: ignore[method-assign]
     losses = [r.loss for r in gated.run(iter(batches), first_step=0, max_steps=6)]
-    assert {call for call, _ in held_during} == {"pull", "push"}
+    assert {call for call, _ in held_during} == {"pull", "push", "optimizer"}
     assert all(held for _, held in held_during)
     assert gate.wait(0)  # open again between runs: the input threads may read ahead
 
