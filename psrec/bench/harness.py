@@ -50,56 +50,44 @@ class System:
     ceiling: str = CEILING
 
 
+def _in_process(name: str, label: str, ceiling: str = CEILING, **options: Any) -> System:
+    """A psrec system on the in-process runtime with 1 local shard; `options` go to `run_psrec`."""
+    run = partial(psrec_systems.run_psrec, runtime="local", num_shards=1, **options)
+    return System(name, label, run, ceiling=ceiling)
+
+
 _SYSTEMS = [
     System("pytorch", "(a) plain PyTorch (EmbeddingBag + Adagrad)", torch_systems.run_pytorch),
     System("torchrec", "(b) TorchRec fused EBC, row-wise Adagrad", torch_systems.run_torchrec),
-    System(
-        "psrec",
-        "(c) psrec in-process (1 local shard)",
-        partial(psrec_systems.run_psrec, runtime="local", num_shards=1),
-    ),
+    _in_process("psrec", "(c) psrec in-process (1 local shard)"),
     System(
         "psrec-ray", "(d) psrec Ray 1 trainer + 2 shards", partial(psrec_systems.run_psrec, runtime="ray")
     ),
-    System(
-        "psrec-bf16",
-        "(c) psrec in-process, bf16 dense",
-        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16"),
-        ceiling="ceiling-bf16",
-    ),
-    System(
+    _in_process("psrec-bf16", "(c) psrec in-process, bf16 dense", "ceiling-bf16", dense_precision="bf16"),
+    _in_process(
         "psrec-bf16-compile",
         "(c) psrec in-process, bf16 dense, torch.compile",
-        partial(
-            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", compile_model=True
-        ),
-        ceiling="ceiling-bf16-compile",
+        "ceiling-bf16-compile",
+        dense_precision="bf16",
+        compile_model=True,
     ),
-    System(
+    _in_process(
         "psrec-bf16-cached",
         "(c) psrec in-process, bf16 dense, rows in memory (cache_data, epoch 2)",
-        partial(
-            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", cache_data=True
-        ),
-        ceiling="ceiling-bf16",
+        "ceiling-bf16",
+        dense_precision="bf16",
+        cache_data=True,
     ),
-    System(
+    _in_process(
         "psrec-bf16-compile-cached",
         "(c) psrec in-process, bf16 dense, torch.compile, rows in memory (cache_data, epoch 2)",
-        partial(
-            psrec_systems.run_psrec,
-            runtime="local",
-            num_shards=1,
-            dense_precision="bf16",
-            compile_model=True,
-            cache_data=True,
-        ),
-        ceiling="ceiling-bf16-compile",
+        "ceiling-bf16-compile",
+        dense_precision="bf16",
+        compile_model=True,
+        cache_data=True,
     ),
-    System(
-        "psrec-cached",
-        "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)",
-        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, cache_data=True),
+    _in_process(
+        "psrec-cached", "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)", cache_data=True
     ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
