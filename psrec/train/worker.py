@@ -84,6 +84,15 @@ class TrainerWorker:
         self._input_gate: InputGate | None = None
         # training.cache_data: prepared training rows kept from the first epoch's read for the next ones
         self._data_cache = PreparedCache() if self.config.training.cache_data else None
+        train_source = self.sources.get("train")
+        if (
+            self._data_cache is not None
+            and train_source is not None
+            and train_source.format == "interactions"
+        ):
+            logger.warning(
+                "training.cache_data has no effect on interactions data (negatives change each epoch)"
+            )
         if self.collective:
             self.local_shard = ParameterShard(
                 trainer_index,
