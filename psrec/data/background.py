@@ -105,14 +105,14 @@ class BackgroundIterator(Generic[T]):
     def _run(self) -> None:
         try:
             items = self._source()
-            while self._through_gate():
+            while True:
+                if not self._through_gate():
+                    return  # closed while waiting at the gate
                 item = next(items, _END)
                 if item is _END:
                     break
                 if self._stop.is_set() or not self._put(item):
                     return
-            else:
-                return  # closed while waiting at the gate
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Failure(error))
             return

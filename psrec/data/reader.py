@@ -140,7 +140,7 @@ def _stream(
     read to its end: a reader closed midway stores nothing partial)."""
     for index in range(unit, len(units)):
         first_after = after if index == unit else None
-        whole = cache is not None and first_after is None
+        whole = first_after is None  # read from its start: served from / kept in the cache
         cached = cache.get(units[index]) if cache is not None and whole else None
         if cached is not None:
             for table in cached:

@@ -163,7 +163,7 @@ class StepRunner:
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
         self._planner: _Planner | None = None
-        # Held while this thread pulls and pushes in-process (see psrec.data.background.InputGate).
+        # Held while this thread pulls, pushes and steps the dense optimizer (psrec.data.background).
         self.input_gate = input_gate
         # Reader position after the last batch trained on (None: none yet from this reader).
         self.trained_position: Any = None
