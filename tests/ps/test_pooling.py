@@ -74,3 +74,29 @@ def test_bf16_gather_sums_bf16_gradients_in_float32() -> None:
     )
     assert rows.grad is not None and rows.grad.dtype == torch.float32
     torch.testing.assert_close(rows.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_bf16_cast_matches_pytorch_bit_for_bit() -> None:
+    """Round to nearest even at every tie, NaN, infinities, overflow, subnormals, signed zero."""
+    rng = np.random.default_rng(3)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1e-40, -1e-45, 1.0, -1.0], dtype=np.float32
+    ).view(np.uint32)
+    ties = (rng.integers(0, 1 << 16, 64, dtype=np.uint32) << np.uint32(16)) | np.uint32(0x8000)
+    random_bits = rng.integers(0, 1 << 32, 5 * 64 * 16, dtype=np.uint64).astype(np.uint32)
+    bits = np.concatenate([special, ties, ties | np.uint32(1), ties - np.uint32(1), random_bits])
+    bits = np.resize(bits, (len(bits) // 16, 16))
+    rows = torch.from_numpy(bits.view(np.float32).copy())
+    index = np.arange(rows.shape[0])[::-1].copy()
+    out = gather_rows(rows, index, 1, torch.bfloat16)
+    expected = rows.to(torch.bfloat16).index_select(0, torch.from_numpy(index)).view(-1, 1, 16)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)  # any NaN stays a NaN (PyTorch's own paths differ in its bits)
+    assert torch.equal(out.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+
+
+def test_gather_index_out_of_range_is_an_error() -> None:
+    rows = torch.ones(4, 2, requires_grad=True)
+    for bad in (4, -1):
+        with pytest.raises(IndexError, match=f"gather index {bad} at 1"):
+            gather_rows(rows, np.array([0, bad]), 1)
