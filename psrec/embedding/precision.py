@@ -218,9 +218,11 @@ class RowStorage:
             self.scales = grow_rows(self.scales, row_capacity)
             self.offsets = grow_rows(self.offsets, row_capacity)
 
-    def gather(self, rows: np.ndarray) -> np.ndarray:
-        """(len(rows), dim) float32 values of the given rows (all >= 0)."""
-        out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
+    def gather(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """(len(rows), dim) float32 values of the given rows (all >= 0), written into `out` (C-contiguous
+        float32 of that shape) when given."""
+        if out is None:
+            out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
         if self.precision == "fp32":
             _fp32_gather_kernel(self.values, rows, out)
         elif self.precision == "fp16":

@@ -199,9 +199,19 @@ class EmbeddingTable:
         return rows
 
     # ---------------------------------------------------------------------------------- pull / push
-    def pull(self, ids: np.ndarray, *, train: bool = True) -> np.ndarray:
-        """(len(ids), dim) float32 rows in the order of ``ids``; see the module docstring."""
+    def pull(self, ids: np.ndarray, *, train: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """(len(ids), dim) float32 rows in the order of ``ids``; see the module docstring. With `out`
+        (a C-contiguous float32 array of that shape) the rows are written there, and `out` returned."""
         ids = self._check_ids(ids)
+        if out is not None and (
+            out.dtype != np.float32 or out.shape != (ids.shape[0], self.dim) or not out.flags.c_contiguous
+        ):
+            raise ValueError(
+                self._message(
+                    f"pull out= must be a C-contiguous float32 array of shape {(ids.shape[0], self.dim)}, "
+                    f"got {out.dtype} {out.shape}"
+                )
+            )
         rows, missing = self._index.lookup(ids)
         if missing and train:
             missing_positions = np.flatnonzero(rows < 0)
@@ -211,9 +221,10 @@ class EmbeddingTable:
                 rows[admitted_positions] = self._insert(ids[admitted_positions])
                 missing = int(np.count_nonzero(rows < 0))
         if not missing:
-            return self._storage.gather(rows)
+            return self._storage.gather(rows, out)
         present = rows >= 0
-        out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
+        if out is None:
+            out = np.empty((ids.shape[0], self.dim), dtype=np.float32)
         out[present] = self._storage.gather(rows[present])
         out[~present] = self._initial_rows(ids[~present])
         return out

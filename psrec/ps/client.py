@@ -61,13 +61,16 @@ class _Done:
 
 
 class LocalConnection:
-    """A shard living in this process: calls run immediately."""
+    """A shard living in this process: calls run immediately, and a pull can write its rows straight
+    into the caller's arrays (`out`, e.g. slices of the client's fused buffer: no copy)."""
 
     def __init__(self, shard: ParameterShard) -> None:
         self.shard = shard
 
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending:
-        return _Done(self.shard.pull(requests, train=train))
+    def pull(
+        self, requests: dict[str, np.ndarray], *, train: bool, out: dict[str, np.ndarray] | None = None
+    ) -> Pending:
+        return _Done(self.shard.pull(requests, train=train, out=out))
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return _Done(self.shard.push(trainer, request_id, step, gradients))
@@ -104,6 +107,16 @@ class LookupPlan:
 
     def num_ids(self) -> int:
         return sum(ids.size for ids in self.unique_ids.values())
+
+
+@dataclass
+class PullRequest:
+    """A submitted pull: one pending reply per shard, and the fused buffers (see `LookupPlan`) that
+    in-process shards already write into."""
+
+    handles: list[Pending]
+    fused: dict[str, np.ndarray] = field(default_factory=dict)  # "rows" / "linear" -> fused buffer
+    in_place: set[tuple[int, str]] = field(default_factory=set)  # (shard, table) written into `fused`
 
 
 @dataclass
@@ -286,27 +299,42 @@ class EmbeddingClient:
         return pairs
 
     # -- compute (remote) --------------------------------------------------------------------
-    def submit_pull(self, plan: LookupPlan, *, train: bool = True) -> list[Pending]:
-        """Send every shard its ids; returns at once (prefetch keeps the handles)."""
+    def submit_pull(self, plan: LookupPlan, *, train: bool = True) -> PullRequest:
+        """Send every shard its ids; returns at once (prefetch keeps the request)."""
         pairs = self._tables_of(plan)
-        handles = []
+        request = PullRequest([])
+        if plan.fused_index is not None:
+            total = sum(ids.size for ids in plan.unique_ids.values())
+            request.fused["rows"] = np.empty(
+                (total, self.table_dims[next(iter(plan.unique_ids))]), np.float32
+            )
+            if self.linear_terms:
+                request.fused["linear"] = np.empty((total, 1), np.float32)
         for shard, connection in enumerate(self.connections):
             requests = {
                 name: plan.routed[source].ids_per_shard[shard]
                 for name, source in pairs
                 if plan.routed[source].ids_per_shard[shard].size
             }
-            handles.append(connection.pull(requests, train=train))
-        return handles
+            if request.fused and isinstance(connection, LocalConnection):
+                # Each table's ids are grouped by shard (`Routed.order` None): this shard's rows
+                # have their own slice of the table's span in the fused buffer.
+                out = {}
+                for name, source in pairs:
+                    if name in requests:
+                        first = plan.spans[source][0]
+                        bounds = plan.routed[source].splits
+                        buffer = request.fused["linear" if name.endswith(LINEAR_SUFFIX) else "rows"]
+                        out[name] = buffer[first + bounds[shard] : first + bounds[shard + 1]]
+                        request.in_place.add((shard, name))
+                request.handles.append(connection.pull(requests, train=train, out=out))
+            else:
+                request.handles.append(connection.pull(requests, train=train))
+        return request
 
-    def collect_pull(self, plan: LookupPlan, handles: list[Pending]) -> PulledRows:
-        replies = [handle.result() for handle in handles]
-        fused: dict[str, np.ndarray] = {}
-        if plan.fused_index is not None:
-            total = sum(ids.size for ids in plan.unique_ids.values())
-            fused["rows"] = np.empty((total, self.table_dims[next(iter(plan.unique_ids))]), np.float32)
-            if self.linear_terms:
-                fused["linear"] = np.empty((total, 1), np.float32)
+    def collect_pull(self, plan: LookupPlan, request: PullRequest) -> PulledRows:
+        replies = [handle.result() for handle in request.handles]
+        fused = request.fused
         rows: dict[str, np.ndarray] = {}
         nbytes = 0
         for name, source in self._tables_of(plan):
@@ -317,11 +345,14 @@ class EmbeddingClient:
             parts = [reply.get(name, empty) for reply in replies]
             nbytes += sum(part.nbytes for part in parts)
             buffer = fused.get("linear" if linear else "rows")
-            out = None
-            if buffer is not None:
-                start, stop = plan.spans[source]
-                out = buffer[start:stop]
-            rows[name] = routed.gather([decode_rows(part) for part in parts], out=out)
+            if buffer is None:
+                rows[name] = routed.gather([decode_rows(part) for part in parts])
+                continue
+            start, stop = plan.spans[source]
+            rows[name] = buffer[start:stop]
+            for shard, part in enumerate(parts):
+                if (shard, name) not in request.in_place and part.shape[0]:
+                    rows[name][routed.splits[shard] : routed.splits[shard + 1]] = decode_rows(part)
         self.bytes_pulled += nbytes
         return PulledRows(plan, rows, nbytes, fused)
 

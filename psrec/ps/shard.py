@@ -61,9 +61,20 @@ class ParameterShard:
         self._staged_markers: dict[str, int] = {}
         self.needs_full_checkpoint = False
 
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool = True) -> dict[str, np.ndarray]:
-        """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted."""
-        return {name: self._table(name).pull(ids, train=train) for name, ids in requests.items()}
+    def pull(
+        self,
+        requests: dict[str, np.ndarray],
+        *,
+        train: bool = True,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted.
+        A table named in `out` gets its rows written into that array (see `EmbeddingTable.pull`)."""
+        out = out or {}
+        return {
+            name: self._table(name).pull(ids, train=train, out=out.get(name))
+            for name, ids in requests.items()
+        }
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
         """Apply (async) or buffer-then-apply (sync) one trainer's gradients; False if it was a retry."""

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from psrec.data.batch import Batch
 from psrec.models.base import ModelInput
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper
-from psrec.ps.client import EmbeddingClient, LookupPlan, Pending
+from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PullRequest
 from psrec.train.step import PhaseTimer, StepResult
 
 HEADER = 4  # [has batch, batch size, target ndim, sequence length (ranking targets) or 0]
@@ -55,7 +55,7 @@ HEADER = 4  # [has batch, batch size, target ndim, sequence length (ranking targ
 class _Ahead:
     batch: Batch
     plan: LookupPlan
-    handles: list[Pending] | None = None  # None until the pull is submitted
+    request: PullRequest | None = None  # None until the pull is submitted
 
 
 class PipelineStepRunner:
@@ -141,7 +141,7 @@ class PipelineStepRunner:
 
     def _submit_pull(self, ahead: _Ahead) -> None:
         start = time.perf_counter()
-        ahead.handles = self.client.submit_pull(ahead.plan, train=True)
+        ahead.request = self.client.submit_pull(ahead.plan, train=True)
         self.timer.add("pull", start)
 
     def _exchange_headers(self, ahead: _Ahead | None) -> torch.Tensor:
@@ -163,11 +163,11 @@ class PipelineStepRunner:
         self, current: _Ahead, step: int, batches: Iterator[Batch], *, prefetch: bool
     ) -> tuple[StepResult, _Ahead | None]:
         timer = self.timer
-        if current.handles is None:  # several replicas: submitted only now, after the header barrier
+        if current.request is None:  # several replicas: submitted only now, after the header barrier
             self._submit_pull(current)
-        assert current.handles is not None
+        assert current.request is not None
         start = time.perf_counter()
-        pulled = self.client.collect_pull(current.plan, current.handles)
+        pulled = self.client.collect_pull(current.plan, current.request)
         start = timer.add("pull", start)
         inp, weights = self.client.embed(pulled, current.batch.dense)
         target = _target(inp, current.batch)

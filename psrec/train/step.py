@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
-from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows
+from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows, PullRequest
 
 
 @dataclass
@@ -65,7 +65,7 @@ OVERLAPPED = "_overlapped"  # suffix of phases that ran off the trainer's critic
 class _Prefetched:
     batch: Batch
     plan: LookupPlan
-    handles: list[Pending]
+    request: PullRequest
     position: Any = None
 
 
@@ -177,8 +177,8 @@ class StepRunner:
             return False
         batch, plan, position = item
         with self._holding_input():
-            handles = self.client.submit_pull(plan, train=True)
-        ahead.append(_Prefetched(batch, plan, handles, position))
+            request = self.client.submit_pull(plan, train=True)
+        ahead.append(_Prefetched(batch, plan, request, position))
         self.timer.add("pull", start)
         return True
 
@@ -247,7 +247,7 @@ class StepRunner:
                 current = ahead.popleft()
                 start = time.perf_counter()
                 with self._holding_input():
-                    pulled = self.client.collect_pull(current.plan, current.handles)
+                    pulled = self.client.collect_pull(current.plan, current.request)
                 self.timer.add("pull", start)
                 result = self._train(current.batch, pulled, step, submit_next)
                 self.trained_position = current.position

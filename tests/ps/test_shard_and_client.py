@@ -1,5 +1,7 @@
 """The PS protocol without Ray: shard sync/async/idempotence and the client against plain PyTorch."""
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -176,3 +178,90 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)].numpy(), np.full(DIM, 4.0))
     unique_u = plan.unique_ids["u"].tolist()
     np.testing.assert_allclose(weights.grad("u")[unique_u.index(7)].numpy(), np.full(DIM, 4.0))  # twice x 2
+
+
+class _CopyingConnection:
+    """A local shard behind the plain connection interface (no `out`): replies are copied, as a
+    remote shard's are."""
+
+    def __init__(self, shard: ParameterShard) -> None:
+        self.inner = LocalConnection(shard)
+
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Any:
+        return self.inner.pull(requests, train=train)
+
+    def push(self, trainer: int, request_id: int, step: int, gradients: Any) -> Any:
+        return self.inner.push(trainer, request_id, step, gradients)
+
+
+@pytest.mark.parametrize("linear_terms", [False, True])
+def test_in_process_shards_pull_into_the_fused_buffer_like_copied_replies(linear_terms: bool) -> None:
+    """Two in-process shards write their rows straight into the fused buffer's slices; the result
+    (and every later step) equals that of shards whose replies are copied in."""
+
+    def client_of(connection: Any) -> tuple[EmbeddingClient, list[ParameterShard]]:
+        shards = []
+        for index in range(2):
+            tables = {"t": make_table("t"), "u": make_table("u")}
+            if linear_terms:
+                for name in ("t__linear", "u__linear"):
+                    tables[name] = EmbeddingTable(name, 1, optimizer=SparseOptimizerSpec("sgd", lr=0.5))
+            shards.append(ParameterShard(index, tables))
+        client = EmbeddingClient(
+            [connection(shard) for shard in shards],
+            default_bucket_map(8, 2),
+            table_dims={"t": DIM, "u": DIM},
+            feature_tables={"a": "t", "b": "u", "c": "t"},
+            linear_terms=linear_terms,
+        )
+        return client, shards
+
+    rng = np.random.default_rng(0)
+    (direct, direct_shards), (copied, _) = client_of(LocalConnection), client_of(_CopyingConnection)
+    for step in range(3):
+        ids = {key: rng.integers(0, 40, 16) for key in ("a", "b", "c")}
+        sparse = SparseBatch.from_features(
+            {key: (value, np.ones(16, np.int64)) for key, value in ids.items()}
+        )
+        batch = Batch(np.zeros(16, np.float32), np.zeros((16, 0), np.float32), sparse)
+        results = []
+        for client in (direct, copied):
+            plan = client.plan(batch)
+            assert plan.fused_index is not None
+            request = client.submit_pull(plan)
+            pulled_tables = [*plan.unique_ids, *(f"{n}__linear" for n in plan.unique_ids if linear_terms)]
+            expected_in_place = {
+                (shard, name)
+                for shard in range(2)
+                for name in pulled_tables
+                if plan.routed[name.removesuffix("__linear")].ids_per_shard[shard].size
+            }
+            assert request.in_place == (expected_in_place if client is direct else set())
+            pulled = client.collect_pull(plan, request)
+            for name, rows in pulled.rows.items():
+                assert np.shares_memory(rows, pulled.fused["linear" if name.endswith("__linear") else "rows"])
+            inp, leaves = client.embed(pulled, batch.dense)
+            loss = (inp.pooled * torch.arange(1.0, 4.0).view(1, 3, 1)).sum()
+            if linear_terms:
+                assert inp.linear is not None
+                loss = loss + inp.linear.sum()
+            loss.backward()
+            client.push(plan, leaves, step=step)
+            results.append({name: rows.copy() for name, rows in pulled.rows.items()})
+        assert results[0].keys() == results[1].keys()
+        for name in results[0]:
+            np.testing.assert_array_equal(results[0][name], results[1][name])
+    assert direct_shards[0].tables["t"].num_rows > 0 and direct_shards[1].tables["t"].num_rows > 0
+
+
+def test_table_pull_into_an_array() -> None:
+    table = make_table()
+    table.pull(np.array([1, 2]))
+    out = np.full((3, DIM), -7.0, np.float32)
+    assert table.pull(np.array([2, 1, 5]), train=False, out=out) is out  # 5: absent, initial values
+    np.testing.assert_array_equal(out, table.pull(np.array([2, 1, 5]), train=False))
+    assert table.num_rows == 2
+    with pytest.raises(ValueError, match=r"C-contiguous float32 array of shape \(2, 4\)"):
+        table.pull(np.array([1, 2]), out=np.zeros((2, DIM), np.float64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        table.pull(np.array([1, 2]), out=np.zeros((DIM, 2), np.float32).T)

@@ -103,9 +103,9 @@ def test_in_process_pulls_and_pushes_hold_the_input_gate_and_change_no_result(
     held_during: list[tuple[str, bool]] = []
 
     class Spying(LocalConnection):
-        def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Any:
+        def pull(self, requests: dict[str, np.ndarray], *, train: bool, out: Any = None) -> Any:
             held_during.append(("pull", not gate.wait(0)))
-            return super().pull(requests, train=train)
+            return super().pull(requests, train=train, out=out)
 
         def push(self, trainer: int, request_id: int, step: int, gradients: Any) -> Any:
             held_during.append(("push", not gate.wait(0)))
