@@ -101,9 +101,12 @@ def _dense_column(feature: DenseFeature, column: pa.ChunkedArray) -> np.ndarray:
     vectorised (about 2.5x faster here than float64). The float32 result differs by at most one unit
     in the last place, and finite values beyond float32's range become +-inf before clip/log1p.
     """
-    raw = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
-    with np.errstate(over="ignore"):
-        values = np.where(np.isfinite(raw), raw.astype(np.float32), np.float32(feature.fill))
+    if pa.types.is_integer(column.type) and column.null_count == 0:  # nothing missing: 2.5x faster
+        values = column.to_numpy().astype(np.float32)
+    else:
+        raw = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
+        with np.errstate(over="ignore"):
+            values = np.where(np.isfinite(raw), raw.astype(np.float32), np.float32(feature.fill))
     if feature.clip is not None:
         np.clip(values, np.float32(feature.clip[0]), np.float32(feature.clip[1]), out=values)
     if feature.log1p:

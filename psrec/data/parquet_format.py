@@ -64,7 +64,8 @@ class ParquetFormat:
             return
         try:
             parquet = pq.ParquetFile(unit.path, read_dictionary=self._dictionary_columns(unit.path))
-            missing = [c for c in self.columns if c not in parquet.schema_arrow.names]
+            names = set(parquet.schema_arrow.names)
+            missing = [c for c in self.columns if c not in names]
             if missing:
                 raise ValueError(
                     f"{unit.path}: columns {missing} of the schema are not in the file "
