@@ -3,10 +3,10 @@
 A training step allocates and frees the same large buffers every step (activations, gradients,
 pulled rows). With glibc's defaults, blocks above the mmap threshold are mapped and unmapped each
 time and the heap top is trimmed back to the system, so every step page-faults its buffers in again;
-on the virtualised 2-core machine of docs/benchmarks.md that cost the dense-only DLRM ceiling 1.46x
-in samples/s (1.06M minor faults in a 20-step run; 0.38M after). PyTorch's CPU performance guides
-recommend the same remedy (jemalloc/tcmalloc, or these glibc knobs): keep freed memory in the
-process for reuse. `tune_malloc` sets
+on the virtualised 2-core machine of docs/benchmarks-history.md (third session) that cost the
+dense-only DLRM ceiling 1.46x in samples/s (1.06M minor faults in a 20-step run; 0.38M after).
+PyTorch's CPU performance guides recommend the same remedy (jemalloc/tcmalloc, or these glibc
+knobs): keep freed memory in the process for reuse. `tune_malloc` sets
 
 - ``M_MMAP_THRESHOLD`` to 32 MiB (glibc's dynamic maximum, fixed from the start), and
 - ``M_TRIM_THRESHOLD`` to 1 GiB (free memory at the heap top is kept up to that much),

@@ -19,7 +19,7 @@ The in-process trainer holds its reader and planner threads back while it pulls 
 while its dense optimizer steps: that work is Python plus numba (or many small torch ops) on the
 training thread, and the pull took 3.2-4.1 ms instead of 1.8-2.2 ms per step when the input threads
 ran beside it (GIL and both cores shared). The input threads then work during forward and backward,
-in long torch ops that release the GIL; see docs/benchmarks.md.
+in long torch ops that release the GIL; see docs/benchmarks-history.md (fifth session).
 """
 
 from __future__ import annotations

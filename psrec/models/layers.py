@@ -109,15 +109,17 @@ class UpperTriangleProducts(torch.autograd.Function):
     Same values as ``bmm(V, V^T).flatten(1).index_select(1, upper_index)`` (its test oracle), with a
     hand-written backward: scatter the gradient into a zero (B, N, N) matrix G (each position once,
     so a plain copy) and return (G + G^T) V in one bmm. Measured here about 2x faster forward +
-    backward than autograd's (index_add + two bmm) in fp32 and bf16.
+    backward than autograd's (index_add + two bmm) in fp32 and bf16. The forward picks the triangle
+    with ``gather`` on an expanded index: ``index_select`` along dim 1 took 2.1 ms for batch 4096,
+    N = 27 in bf16 on 2 threads, ``gather`` 0.82 ms (same bits).
     """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cpu")
     def forward(ctx: Any, vectors: torch.Tensor, upper_index: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(vectors, upper_index)
-        products = torch.bmm(vectors, vectors.transpose(1, 2))  # (B, N, N)
-        return products.flatten(1).index_select(1, upper_index)
+        products = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)  # (B, N * N)
+        return torch.gather(products, 1, upper_index.expand(products.shape[0], -1))
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cpu")

@@ -6,7 +6,7 @@ major). PyTorch's backward of `index_select` on the CPU (`index_select_backward`
 `index_add_`, which expands the index to the gradient's full shape for a `scatter_add_`) measured
 6.4 ms for 106k rows of dim 64 (batch 4096 x 26 features, 1 thread); the scatter-add loop here
 does the same sums, in the same order every time (deterministic), in a fraction of that
-(`docs/benchmarks.md`), and reads the incoming gradient in whatever strides it has (a slice of
+(`docs/benchmarks-history.md`, third session), and reads the incoming gradient in whatever strides it has (a slice of
 the interaction's concatenation, typically) without a copy.
 
 The forward is numba too, on one thread: the unique rows are cast first (to bfloat16, rounding to
