@@ -140,6 +140,12 @@ _SYSTEMS = [
         "psrec Ray 1x2, fp16 wire (ps.wire_precision)",
         partial(psrec_systems.run_psrec, runtime="ray", wire_precision="fp16"),
     ),
+    _in_process(
+        "psrec-fp16rows", "psrec in-process, fp16 table rows (precision: fp16)", row_precision="fp16"
+    ),
+    _in_process(
+        "psrec-int8rows", "psrec in-process, int8 table rows (precision: int8)", row_precision="int8"
+    ),
     System(
         "psrec-bf16-grow",
         "psrec in-process bf16, no expected_rows (tables grow as rows arrive)",

@@ -57,6 +57,7 @@ def bench_config(
     wire_precision: str = "fp32",
     reserve: bool = True,
     cache_data: bool = False,
+    row_precision: str = "fp32",
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload.
 
@@ -71,6 +72,7 @@ def bench_config(
         "dim": workload.dim,
         "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
         "initializer": {"kind": "uniform", "scale": workload.init_scale},
+        "precision": row_precision,
     }
     # The fixed-size systems allocate exactly these rows up front; psrec gets the same sizes as a
     # hint (`expected_rows`: shards reserve their share), its tables still grow past them if needed.
@@ -217,6 +219,7 @@ def run_psrec(
     wire_precision: str = "fp32",
     reserve: bool = True,
     cache_data: bool = False,
+    row_precision: str = "fp32",
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -245,6 +248,7 @@ def run_psrec(
                 wire_precision=wire_precision,
                 reserve=reserve,
                 cache_data=cache_data,
+                row_precision=row_precision,
             ),
             source="<bench>",
         )

@@ -103,6 +103,20 @@ def test_cached_system_times_the_second_epoch(tmp_path: Path) -> None:
     assert run["timed_steps"] == workload.steps
 
 
+def test_row_precision_systems_store_every_table_in_that_precision(tmp_path: Path) -> None:
+    from psrec.bench.psrec_systems import bench_config
+    from psrec.config import parse_config
+
+    workload = tiny_workload(tmp_path / "cache")
+    config = parse_config(
+        bench_config(workload, str(tmp_path / "run"), runtime="local", row_precision="int8")
+    )
+    assert config.embedding.tables and {t.precision for t in config.embedding.tables.values()} == {"int8"}
+    report = run_bench(workload, ["psrec-fp16rows"], rounds=1, isolate=False)
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and 0.0 <= row["auc"] <= 1.0
+
+
 @pytest.mark.ray
 def test_every_system_runs_and_reports_sane_numbers(tmp_path: Path, ray_cluster: None) -> None:
     workload = tiny_workload(tmp_path / "cache")
