@@ -14,12 +14,18 @@ The source runs on the thread only, and `close` returns after the thread has sto
 source (a file reader, a generator) is never used by two threads at once.
 
 An `InputGate` lets the consumer hold producers back while it runs work of its own that they would
-slow down: a producer waits at the gate before each item (an item already begun runs to its end).
-The in-process trainer holds its reader and planner threads back while it pulls and pushes rows and
-while its dense optimizer steps: that work is Python plus numba (or many small torch ops) on the
-training thread, and the pull took 3.2-4.1 ms instead of 1.8-2.2 ms per step when the input threads
-ran beside it (GIL and both cores shared). The input threads then work during forward and backward,
-in long torch ops that release the GIL; see docs/benchmarks-history.md (fifth session).
+slow down. A producer waits at the gate before each item, and at the `checkpoint()`s its source
+passes within an item (the Parquet reader has one between column groups of a row group and one
+before preparing them). Otherwise an item already begun runs to its end.
+
+The in-process trainer holds its reader and planner threads back for its whole training step, and
+lets them run only while it waits for its next batch (`InputGate.released()` around that wait, when
+no batch is ready). On two shared cores, every input thread that ran beside the step slowed it by
+more than its own work: the pull took 3.2-4.1 instead of 1.8-2.2 ms (GIL and cores shared), and
+forward, backward and the optimizer lost their cores to the reader's decode. Holding the input only
+during pull, push and the optimizer (session 5) gained 2-4%. Holding it for the whole step gained
+another 5.6-7.8% in eager bf16 and 9.3% compiled (docs/benchmarks.md, sixth session): input work
+then runs only while the trainer would wait anyway, on both cores.
 """
 
 from __future__ import annotations
@@ -35,6 +41,27 @@ T = TypeVar("T")
 
 _END = object()
 _POLL_SECONDS = 0.05  # how often a producer blocked on a full queue checks for `close`
+_PRODUCER = threading.local()  # .iterator: the BackgroundIterator whose thread this is
+
+
+class _Closed(BaseException):  # not an error: no `except Exception` in a source may stop it
+    """Raised in a producer's thread by `checkpoint()` when its iterator was closed meanwhile."""
+
+
+def checkpoint() -> None:
+    """A point inside a producer's item where it may pause: waits while the producer's gate is held.
+
+    A no-op outside a gated `BackgroundIterator` thread. When the iterator is closed meanwhile, the
+    item ends here (the producer thread stops; nothing reaches the consumer)."""
+    iterator = getattr(_PRODUCER, "iterator", None)
+    if iterator is not None and not iterator._through_gate():
+        raise _Closed
+
+
+def gated() -> bool:
+    """True in the thread of a `BackgroundIterator` that has a gate (its `checkpoint()`s may wait)."""
+    iterator = getattr(_PRODUCER, "iterator", None)
+    return iterator is not None and iterator._gate is not None
 
 
 class InputGate:
@@ -58,6 +85,22 @@ class InputGate:
                 self._holds -= 1
                 if self._holds == 0:
                     self._open.set()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """Inside `held()`: give up that hold for the block (e.g. while waiting for the producers)."""
+        with self._lock:
+            if self._holds <= 0:
+                raise RuntimeError("InputGate.released() needs a hold (inside held())")
+            self._holds -= 1
+            if self._holds == 0:
+                self._open.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds += 1
+                self._open.clear()
 
     def wait(self, timeout: float) -> bool:
         """True once the gate is open, False if it stayed closed for `timeout` seconds."""
@@ -103,6 +146,7 @@ class BackgroundIterator(Generic[T]):
         return not self._stop.is_set()
 
     def _run(self) -> None:
+        _PRODUCER.iterator = self
         try:
             items = self._source()
             while True:
@@ -113,10 +157,16 @@ class BackgroundIterator(Generic[T]):
                     break
                 if self._stop.is_set() or not self._put(item):
                     return
+        except _Closed:
+            return  # closed while waiting at a checkpoint within an item
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, raised there
             self._put(_Failure(error))
             return
         self._put(_END)
+
+    def ready(self) -> bool:
+        """True when an item (or the end) is waiting in the queue: `next` returns without waiting."""
+        return not self._queue.empty()
 
     def __iter__(self) -> BackgroundIterator[T]:
         return self

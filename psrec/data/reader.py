@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from psrec.data.background import BackgroundIterator, InputGate
+from psrec.data.background import BackgroundIterator, InputGate, checkpoint
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, prepare_table, table_to_batch
@@ -149,6 +149,7 @@ def _stream(
         prepared: list[pa.Table] = []
         for table in reader.read(units[index], first_after):
             if table.num_rows:
+                checkpoint()  # a held input gate pauses the read between decoding and preparing
                 table = prepare_table(schema, table)
                 prepared.append(table)
                 yield index, table

@@ -76,7 +76,8 @@ class _Planner:
     thread), so the runner knows the position of the last batch it trained on however far the
     planner read ahead. Exceptions of the reader (bad rows, I/O) are re-raised in the consumer,
     with their own type. `close` stops the thread and waits for it, so the reader is never used by
-    two threads at once.
+    two threads at once. With a gate, `next` is called by the trainer holding it; when no batch is
+    ready, the trainer gives its hold up while it waits, so the input threads run then.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class _Planner:
         gate: InputGate | None = None,
     ) -> None:
         self.source = batches
+        self._gate = gate
 
         def plans() -> Iterator[tuple[Batch, LookupPlan, Any]]:
             while True:
@@ -104,6 +106,9 @@ class _Planner:
 
     def next(self) -> tuple[Batch, LookupPlan, Any] | None:
         """The next routed batch and the reader position after it, or None once the reader ran out."""
+        if self._gate is not None and not self._plans.ready():
+            with self._gate.released():
+                return next(self._plans, None)
         return next(self._plans, None)
 
     def close(self) -> None:
@@ -163,7 +168,7 @@ class StepRunner:
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
         self._planner: _Planner | None = None
-        # Held while this thread pulls, pushes and steps the dense optimizer (psrec.data.background).
+        # Held for the whole of `run`, given up only while it waits for a batch (psrec.data.background).
         self.input_gate = input_gate
         # Reader position after the last batch trained on (None: none yet from this reader).
         self.trained_position: Any = None
@@ -176,8 +181,7 @@ class StepRunner:
         if item is None:
             return False
         batch, plan, position = item
-        with self._holding_input():
-            request = self.client.submit_pull(plan, train=True)
+        request = self.client.submit_pull(plan, train=True)
         ahead.append(_Prefetched(batch, plan, request, position))
         self.timer.add("pull", start)
         return True
@@ -229,30 +233,32 @@ class StepRunner:
 
         step = first_step
         try:
-            while step < first_step + max_steps:
-                submit_next()
-                if failure is not None and not ahead:
-                    raise failure
-                if self.world_size > 1:
-                    # Trainers' shares may differ by a batch: all keep stepping until every one is out
-                    # of data; one that is out runs empty steps so sync shards and the allreduce complete.
-                    if not _any_across_trainers(bool(ahead)):
+            # Held for the whole loop: the input threads run only while this waits for a batch
+            # (`_Planner.next`), never beside the step's own work (psrec.data.background).
+            with self._holding_input():
+                while step < first_step + max_steps:
+                    submit_next()
+                    if failure is not None and not ahead:
+                        raise failure
+                    if self.world_size > 1:
+                        # Trainers' shares may differ by a batch: all keep stepping until every one is out
+                        # of data; one that is out runs empty steps so sync shards and the allreduce complete.
+                        if not _any_across_trainers(bool(ahead)):
+                            break
+                        if not ahead:
+                            yield self._empty_step(step)
+                            step += 1
+                            continue
+                    elif not ahead:
                         break
-                    if not ahead:
-                        yield self._empty_step(step)
-                        step += 1
-                        continue
-                elif not ahead:
-                    break
-                current = ahead.popleft()
-                start = time.perf_counter()
-                with self._holding_input():
+                    current = ahead.popleft()
+                    start = time.perf_counter()
                     pulled = self.client.collect_pull(current.plan, current.request)
-                self.timer.add("pull", start)
-                result = self._train(current.batch, pulled, step, submit_next)
-                self.trained_position = current.position
-                yield result
-                step += 1
+                    self.timer.add("pull", start)
+                    result = self._train(current.batch, pulled, step, submit_next)
+                    self.trained_position = current.position
+                    yield result
+                    step += 1
         except BaseException:
             self.close()
             raise
@@ -273,18 +279,17 @@ class StepRunner:
         loss.backward()
         start = timer.add("backward", start)
         barrier = self.mode == "sync" and self.world_size > 1
-        with self._holding_input():
-            handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
-            if barrier:
-                for handle in handles:  # the allreduce below is the barrier that makes the step complete
+        handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
+        if barrier:
+            for handle in handles:  # the allreduce below is the barrier that makes the step complete
+                handle.result()
+        else:
+            # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
+            # so the next pull (submitted now, after this push) sees this push without waiting.
+            self._unacknowledged.append(handles)
+            while len(self._unacknowledged) > max(1, self.staleness):
+                for handle in self._unacknowledged.popleft():
                     handle.result()
-            else:
-                # Async, or sync with one trainer: a shard runs one caller's calls in submission order,
-                # so the next pull (submitted now, after this push) sees this push without waiting.
-                self._unacknowledged.append(handles)
-                while len(self._unacknowledged) > max(1, self.staleness):
-                    for handle in self._unacknowledged.popleft():
-                        handle.result()
         start = timer.add("push", start)
         if not barrier:
             submit_next()  # records its own plan / pull time
@@ -294,10 +299,9 @@ class StepRunner:
         if barrier:
             submit_next()  # every trainer's push of this step is applied: the next pull is exact
             start = time.perf_counter()
-        with self._holding_input():  # many small ops, each through Python: the input threads wait
-            if self.grad_clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
-            self.optimizer.step()
+        if self.grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
+        self.optimizer.step()
         timer.add("optimizer", start)
         return StepResult(step, float(loss.detach()), scores.numpy(), batch.labels, batch.row_ids)
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from psrec.data.background import BackgroundIterator, InputGate
+from psrec.data.background import BackgroundIterator, InputGate, checkpoint, gated
 from psrec.data.errors import BadRowError
 
 
@@ -97,3 +97,62 @@ def test_close_stops_a_producer_waiting_at_a_held_gate() -> None:
         items.close()
         assert not _alive("bg-gate-close")
     assert next(items, None) is None
+
+
+def test_checkpoints_pause_an_item_while_the_gate_is_held_and_released_lets_it_run() -> None:
+    gate = InputGate()
+    steps: list[str] = []
+
+    started, go = threading.Event(), threading.Event()
+
+    def source() -> Iterator[str]:
+        assert gated()
+        started.set()
+        go.wait()  # the item has begun (the gate was open); the trainer takes its hold now
+        steps.append("begun")
+        checkpoint()  # inside the item: waits while the gate is held
+        steps.append("after checkpoint")
+        yield "item"
+
+    items = BackgroundIterator(source, depth=1, name="bg-checkpoint", gate=gate)
+    assert started.wait(5)
+    with gate.held():
+        go.set()
+        time.sleep(0.15)
+        assert steps == ["begun"]  # paused at the checkpoint
+        assert not items.ready()
+        with gate.released():  # as the trainer does while it waits for a batch
+            assert next(items) == "item"
+        assert steps == ["begun", "after checkpoint"]
+        with gate.held():  # nesting inside a released block is still a hold
+            assert not gate.wait(0)
+        assert not gate.wait(0)  # the outer hold is back
+    assert gate.wait(0)
+    items.close()
+
+
+def test_close_ends_an_item_paused_at_a_checkpoint_without_an_error() -> None:
+    gate = InputGate()
+    reached: list[bool] = []
+
+    def source() -> Iterator[int]:
+        checkpoint()
+        reached.append(True)
+        yield 1
+
+    with gate.held():
+        items = BackgroundIterator(source, depth=1, name="bg-checkpoint-close", gate=gate)
+        time.sleep(0.1)
+        items.close()
+        assert not _alive("bg-checkpoint-close")
+    assert reached == [] and next(items, None) is None
+
+
+def test_checkpoint_is_a_no_op_outside_gated_producers_and_released_needs_a_hold() -> None:
+    checkpoint()
+    assert not gated()
+    items = BackgroundIterator(lambda: iter([gated()]), depth=1, name="bg-ungated")
+    assert list(items) == [False]
+    items.close()
+    with pytest.raises(RuntimeError, match="needs a hold"), InputGate().released():
+        pass

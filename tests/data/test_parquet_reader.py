@@ -1,7 +1,9 @@
 """Parquet reading: batch contents, sharding + exact resume, shuffle, prefetch, bad rows."""
 
+import contextlib
 import json
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -115,6 +117,36 @@ def test_prefetch_and_synchronous_reading_agree(harness: SimpleNamespace, synthe
         PARQUET, criteo_schema(), synthetic_parquet, batch_size=300, prefetch=4, shuffle_buffer=500
     )
     assert synchronous.tolist() == prefetched.tolist()
+
+
+def test_a_gated_reader_pausing_mid_row_group_reads_the_same_batches(synthetic_parquet: Path) -> None:
+    """Under an input gate the prefetch thread decodes row groups in column groups, pausing at
+    checkpoints while the consumer holds the gate (as the in-process trainer does): same batches."""
+    from psrec.data.background import InputGate
+
+    def read(gate: InputGate | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        out = []
+        with open_reader(
+            PARQUET, criteo_schema(), batch_size=300, base_dir=synthetic_parquet, prefetch=2, gate=gate
+        ) as reader:
+            batches = iter(reader)
+            with gate.held() if gate is not None else contextlib.nullcontext():
+                while True:
+                    # The trainer's pattern: it holds the gate through its step (the reader pauses at
+                    # its next checkpoint) and gives it up while it waits for a batch.
+                    with gate.released() if gate is not None else contextlib.nullcontext():
+                        batch = next(batches, None)
+                    if batch is None:
+                        return out
+                    out.append((batch.row_ids, batch.dense, batch.sparse.ids))
+                    time.sleep(0.002)  # the step
+
+    plain, gated = read(None), read(InputGate())
+    assert len(plain) == len(gated) > 1
+    for (rows_a, dense_a, ids_a), (rows_b, dense_b, ids_b) in zip(plain, gated, strict=True):
+        np.testing.assert_array_equal(rows_a, rows_b)
+        np.testing.assert_array_equal(dense_a, dense_b)
+        np.testing.assert_array_equal(ids_a, ids_b)
 
 
 def test_multi_valued_sequences_and_missing_labels(harness: SimpleNamespace, tmp_path: Path) -> None:

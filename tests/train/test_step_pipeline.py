@@ -96,7 +96,7 @@ def test_pipelined_steps_equal_plain_sequential_steps(
     assert runner.timer.seconds["plan" + OVERLAPPED] > 0
 
 
-def test_in_process_pulls_and_pushes_hold_the_input_gate_and_change_no_result(
+def test_in_process_steps_hold_the_input_gate_throughout_and_change_no_result(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
     gate = InputGate()
@@ -121,9 +121,16 @@ def test_in_process_pulls_and_pushes_hold_the_input_gate_and_change_no_result(
         return dense_step()
 
     gated.optimizer.step = spying_step  # type: ignore[method-assign]
+    model_loss = gated.model.loss
+
+    def spying_loss(*args: Any) -> Any:
+        held_during.append(("forward", not gate.wait(0)))
+        return model_loss(*args)
+
+    gated.model.loss = spying_loss  # type: ignore[method-assign]
     losses = [r.loss for r in gated.run(iter(batches), first_step=0, max_steps=6)]
-    assert {call for call, _ in held_during} == {"pull", "push", "optimizer"}
-    assert all(held for _, held in held_during)
+    assert {call for call, _ in held_during} == {"pull", "forward", "push", "optimizer"}
+    assert all(held for _, held in held_during)  # the whole step runs with the input threads held
     assert gate.wait(0)  # open again between runs: the input threads may read ahead
 
     plain, plain_shards = _setup(config)
