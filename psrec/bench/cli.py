@@ -150,7 +150,9 @@ def format_profile(report: dict[str, Any]) -> str:
     if not rows:
         return "no psrec system ran: nothing to profile"
     lines = [
-        "psrec per-step phases, ms (last round, timed steps; 'other' = driver between phases; forward includes pooling)",
+        "psrec per-step phases, ms (last round, timed steps; 'plan' = waiting for the next batch, read and planned "
+        "meanwhile; 'plan_overlapped' = the planner's own time; 'other' = driver between phases; forward includes "
+        "pooling)",
         f"{'system':20s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
     ]
     for row in rows:
