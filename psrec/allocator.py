@@ -15,6 +15,12 @@ in this process (``mallopt``) and exports them as ``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_`` for the processes it starts (bench systems, Ray workers). Memory freed
 after a peak then stays mapped (up to 1 GiB per arena) instead of going back to the system.
 Set ``PSREC_MALLOC_TUNING=0`` to keep glibc's defaults; MALLOC_* variables set by the user win.
+
+`advise_huge_pages` asks Linux for transparent huge pages (2 MiB) under a large array, e.g. an
+embedding table's rows. Lookups hit rows at random across hundreds of MiB: with 4 KiB pages nearly
+each one also misses the TLB. Where THP is in ``madvise`` mode (as on the machine of
+docs/benchmarks.md), only advised memory gets huge pages; in ``always`` mode the call changes nothing
+and in ``never`` mode it has no effect. Set ``PSREC_HUGE_PAGES=0`` to skip it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,27 @@ def tune_malloc() -> bool:
             logger.debug("mallopt(%s, %d) was refused", name, value)
         os.environ[name] = str(value)
     return applied
+
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_PAGE_BYTES = 4096
+
+
+def advise_huge_pages(array: np.ndarray) -> bool:
+    """madvise(MADV_HUGEPAGE) the pages under `array`'s memory; True if the kernel accepted it.
+
+    Pages already touched keep their size until the kernel's khugepaged merges them: advise memory
+    before writing it (see `psrec.embedding.arrays.grow_rows`)."""
+    if os.environ.get("PSREC_HUGE_PAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    libc = _libc()
+    if libc is None or array.nbytes == 0:
+        return False
+    start = array.ctypes.data & ~(_PAGE_BYTES - 1)
+    length = array.ctypes.data + array.nbytes - start
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return bool(madvise(start, length, _MADV_HUGEPAGE) == 0)
 
 
 def _libc() -> ctypes.CDLL | None:
