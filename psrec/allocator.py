@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -80,15 +81,15 @@ def advise_huge_pages(array: np.ndarray) -> bool:
         return False
     start = array.ctypes.data & ~(_PAGE_BYTES - 1)
     length = array.ctypes.data + array.nbytes - start
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return bool(madvise(start, length, _MADV_HUGEPAGE) == 0)
+    return bool(libc.madvise(start, length, _MADV_HUGEPAGE) == 0)
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.gnu_get_libc_version  # noqa: B018 - glibc only
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         return libc
     except (OSError, AttributeError):
         return None

@@ -30,13 +30,8 @@ def grow_rows(array: np.ndarray, rows: int) -> np.ndarray:
         return array
     shape = (rows, *array.shape[1:])
     nbytes = int(np.prod(shape, dtype=np.int64)) * array.itemsize
-    if array.nbytes < HUGE_PAGE_BYTES <= nbytes:  # becomes large: advise fresh memory, then fill it
-        grown = np.empty(shape, dtype=array.dtype)
-        advise_huge_pages(grown)
-        grown[: array.shape[0]] = array
-        grown[array.shape[0] :] = 0
-        return grown
-    if array.base is None and array.flags.owndata and array.flags.c_contiguous:
+    becomes_large = array.nbytes < HUGE_PAGE_BYTES <= nbytes  # then fresh, advised memory (below)
+    if not becomes_large and array.base is None and array.flags.owndata and array.flags.c_contiguous:
         try:
             array.resize(shape, refcheck=False)  # realloc: large blocks move by mremap, advice and all
             return array

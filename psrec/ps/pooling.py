@@ -6,8 +6,8 @@ major). PyTorch's backward of `index_select` on the CPU (`index_select_backward`
 `index_add_`, which expands the index to the gradient's full shape for a `scatter_add_`) measured
 6.4 ms for 106k rows of dim 64 (batch 4096 x 26 features, 1 thread); the scatter-add loop here
 does the same sums, in the same order every time (deterministic), in a fraction of that
-(`docs/benchmarks-history.md`, third session), and reads the incoming gradient in whatever strides it has (a slice of
-the interaction's concatenation, typically) without a copy.
+(`docs/benchmarks-history.md`, third session), and reads the incoming gradient in whatever
+strides it has (a slice of the interaction's concatenation, typically) without a copy.
 
 The forward is numba too, on one thread: the unique rows are cast first (to bfloat16, rounding to
 nearest even as PyTorch does), then gathered. PyTorch's ``to`` + ``index_select`` give the same
@@ -62,16 +62,22 @@ def _numpy_bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
+# (rows dtype, output dtype) pairs the numba gather serves; others go through PyTorch.
+_NUMBA_GATHERS = {
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+}
+
+
 def _gather(rows: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(len(index), D) = rows[index] as `dtype` (see the module docstring)."""
     rows = rows.detach()
-    if not rows.is_contiguous() or dtype not in (torch.float32, torch.bfloat16):
+    if not rows.is_contiguous() or (rows.dtype, dtype) not in _NUMBA_GATHERS:
         return rows.to(dtype).index_select(0, index)
     source = rows
-    if rows.dtype != dtype:
-        if (rows.dtype, dtype) != (torch.float32, torch.bfloat16):
-            return rows.to(dtype).index_select(0, index)
-        source = torch.empty(rows.shape, dtype=dtype)  # cast the unique rows, not B x F of them
+    if rows.dtype != dtype:  # float32 -> bfloat16: cast the unique rows, not B x F of them
+        source = torch.empty(rows.shape, dtype=dtype)
         _bf16_bits(rows.numpy().view(np.uint32), _numpy_bits(source))
     out = torch.empty(index.shape[0], rows.shape[1], dtype=dtype)
     bad = _gather_kernel(_numpy_bits(source), index.numpy(), _numpy_bits(out))
