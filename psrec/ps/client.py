@@ -80,7 +80,9 @@ class LocalConnection:
 class _FeatureIndex:
     name: str
     table: str
-    inverse: np.ndarray  # positions into the table's unique ids
+    # positions into the table's unique ids; in a fused plan (`LookupPlan.fused_index` set), a view
+    # of the fused index: positions into the fused buffer
+    inverse: np.ndarray
     offsets: np.ndarray | None  # (B,) bag starts for multi-valued pooled features; None otherwise
     mask: np.ndarray | None  # (B, L) for sequences
     single_valued: bool = False  # a pooled feature with exactly one id per sample
@@ -235,13 +237,31 @@ class EmbeddingClient:
                 ]
                 or [np.zeros(0, np.int64)]
             )
-        unique, inverse, unique_starts, counts = dedup_and_route(all_ids, table_starts, self.bucket_to_shard)
+        # Pooled features with one id per sample, all tables of one dim and no sequences: the rows
+        # are pulled into one buffer and pooling is one gather, whose sample-major index the dedup
+        # writes directly (block k of `all_ids` is feature order[k], i.e. column order[k]).
+        single = [
+            sparse.single_valued or (size == b and bool((sparse.lengths[f * b : (f + 1) * b] == 1).all()))
+            for f, (_, _, _, size, _) in enumerate(features[: len(sparse.keys)])
+        ]
+        fused = (
+            b > 0
+            and bool(single)
+            and not batch.sequences
+            and all(single)
+            and len({self.table_dims[name] for name in names}) == 1
+        )
+        unique, inverse, unique_starts, counts = dedup_and_route(
+            all_ids,
+            table_starts,
+            self.bucket_to_shard,
+            sample_major=(b, np.asarray(order)) if fused else None,
+        )
         splits = np.zeros((len(names), counts.shape[1] + 1), dtype=np.int64)
         np.cumsum(counts, axis=1, out=splits[:, 1:])
         unique_ids: dict[str, np.ndarray] = {}
         routed: dict[str, Routed] = {}
         spans: dict[str, tuple[int, int]] = {}
-        at: dict[int, int] = {}  # feature -> start of its ids in `all_ids` / `inverse`
         for t, name in enumerate(names):
             start, stop = int(unique_starts[t]), int(unique_starts[t + 1])
             ids = unique_ids[name] = unique[start:stop]
@@ -250,13 +270,22 @@ class EmbeddingClient:
                 [ids[bounds[s] : bounds[s + 1]] for s in range(counts.shape[1])], None, bounds
             )
             spans[name] = (start, stop)
+        pooled: list[_FeatureIndex] = []
+        if fused:
+            grid = inverse.reshape(b, len(features))  # (B, F) positions into the fused buffer
+            pooled = [
+                _FeatureIndex(key, table, grid[:, f], None, None, True)
+                for f, (key, table, _, _, _) in enumerate(features)
+            ]
+            return LookupPlan(unique_ids, routed, pooled, [], b, spans, inverse)
+        at: dict[int, int] = {}  # feature -> start of its ids in `all_ids` / `inverse`
+        for t, name in enumerate(names):
             position = int(table_starts[t])
             for f in per_table[name]:
                 at[f] = position
                 position += features[f][3]
         position_of = {name: t for t, name in enumerate(names)}
-        single_valued = sparse.single_valued
-        pooled: list[_FeatureIndex] = []
+        pooled.clear()
         sequences: list[_FeatureIndex] = []
         for f, (key, table, _, size, mask) in enumerate(features):
             index = inverse[at[f] : at[f] + size]  # positions into all tables' unique ids
@@ -264,24 +293,13 @@ class EmbeddingClient:
             if mask is not None:
                 sequences.append(_FeatureIndex(key, table, local, None, mask))
                 continue
-            lengths = sparse.lengths[f * b : (f + 1) * b]
-            single = single_valued or (size == b and bool((lengths == 1).all()))
             offsets = None
-            if not single:
+            if not single[f]:
+                lengths = sparse.lengths[f * b : (f + 1) * b]
                 offsets = np.zeros(b, dtype=np.int64)
                 np.cumsum(lengths[:-1], out=offsets[1:])
-            pooled.append(_FeatureIndex(key, table, local, offsets, None, single))
-        fused = (
-            bool(pooled)
-            and not sequences
-            and all(f.single_valued for f in pooled)
-            and len({self.table_dims[name] for name in names}) == 1
-        )
-        fused_index = None
-        if fused:  # sample major: (B, F) positions, one copy
-            columns = [inverse[at[f] : at[f] + b] for f in range(len(pooled))]
-            fused_index = np.stack(columns, axis=1).reshape(-1)
-        return LookupPlan(unique_ids, routed, pooled, sequences, b, spans, fused_index)
+            pooled.append(_FeatureIndex(key, table, local, offsets, None, single[f]))
+        return LookupPlan(unique_ids, routed, pooled, sequences, b, spans, None)
 
     def _feature_table(self, key: str) -> str:
         try:

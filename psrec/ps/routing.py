@@ -95,9 +95,10 @@ def route(ids: np.ndarray, bucket_to_shard: np.ndarray) -> Routed:
 
 @numba.njit(cache=True, nogil=True)
 def _dedup_and_route(
-    ids: np.ndarray, table_starts: np.ndarray, bucket_to_shard: np.ndarray
+    ids: np.ndarray, table_starts: np.ndarray, bucket_to_shard: np.ndarray, columns: np.ndarray, batch: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     num_tables = table_starts.size - 1
+    num_columns = columns.size
     num_buckets = np.uint64(bucket_to_shard.size)
     num_shards = 0
     for b in range(bucket_to_shard.size):
@@ -159,15 +160,25 @@ def _dedup_and_route(
             next_in_shard[local_shard[u]] += 1
             unique[target] = local_ids[u]
             new_position[u] = target
-        for i in range(first, last):
-            inverse[i] = new_position[local_inverse[i - first]]
+        if batch > 0:  # sample major: block k of `batch` ids is column columns[k] of (batch, num_columns)
+            for i in range(first, last):
+                inverse[(i % batch) * num_columns + columns[i // batch]] = new_position[
+                    local_inverse[i - first]
+                ]
+        else:
+            for i in range(first, last):
+                inverse[i] = new_position[local_inverse[i - first]]
         written += found
         unique_starts[t + 1] = written
     return unique[:written], inverse, unique_starts, counts
 
 
 def dedup_and_route(
-    ids: np.ndarray, table_starts: np.ndarray, bucket_to_shard: np.ndarray
+    ids: np.ndarray,
+    table_starts: np.ndarray,
+    bucket_to_shard: np.ndarray,
+    *,
+    sample_major: tuple[int, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Deduplicate and route the ids of several tables in one pass (the client's plan step).
 
@@ -176,11 +187,26 @@ def dedup_and_route(
     ``unique[unique_starts[t]:unique_starts[t+1]]``, grouped by owning shard (shard 0's first, each
     group in first-occurrence order, ``counts[t, s]`` ids for shard s); ``unique[inverse[i]] == ids[i]``
     (positions into all of `unique`). Shards are those of `route` (the same bucket hash).
+
+    ``sample_major=(batch, columns)``, for ids that are blocks of `batch` (one id per sample of a
+    single-valued feature), returns `inverse` transposed instead: block k is column ``columns[k]`` of
+    a sample-major ``(batch, len(columns))`` layout, flattened (the pooling gather's index, written in
+    the same pass, with no per-feature copies).
     """
     if bucket_to_shard.size == 0:
         raise ValueError("the bucket map is empty")
+    batch, columns = 0, np.zeros(0, dtype=np.int64)
+    if sample_major is not None:
+        batch, columns = sample_major
+        columns = np.ascontiguousarray(columns, dtype=np.int64)
+        if batch <= 0 or ids.size != batch * columns.size:
+            raise ValueError(f"sample_major: {ids.size} ids are not {columns.size} blocks of {batch}")
+        if not np.array_equal(np.sort(columns), np.arange(columns.size)):
+            raise ValueError("sample_major: columns must be a permutation of range(len(columns))")
     return _dedup_and_route(
         np.ascontiguousarray(ids, dtype=np.int64),
         np.ascontiguousarray(table_starts, dtype=np.int64),
         np.ascontiguousarray(bucket_to_shard, dtype=np.int64),
+        columns,
+        int(batch),
     )

@@ -72,6 +72,42 @@ def test_dedup_and_route_matches_unique_and_route(
             assert first_seen == sorted(first_seen)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    batch=st.integers(1, 40),
+    tables=st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_dedup_and_route_writes_the_sample_major_index(batch: int, tables: list[int], seed: int) -> None:
+    """`sample_major`: the same dedup, with the inverse transposed to (batch, features) columns."""
+    rng = np.random.default_rng(seed)
+    features = sum(tables)
+    ids = rng.integers(0, 30, size=batch * features, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(tables)]).astype(np.int64) * batch
+    columns = rng.permutation(features)  # block k of the ids is feature columns[k]
+    bucket_map = default_bucket_map(16, 3)
+    plain = dedup_and_route(ids, starts, bucket_map)
+    unique, inverse, unique_starts, counts = dedup_and_route(
+        ids, starts, bucket_map, sample_major=(batch, columns)
+    )
+    np.testing.assert_array_equal(unique, plain[0])
+    np.testing.assert_array_equal(unique_starts, plain[2])
+    np.testing.assert_array_equal(counts, plain[3])
+    grid = inverse.reshape(batch, features)
+    for k, column in enumerate(columns):
+        np.testing.assert_array_equal(grid[:, column], plain[1][k * batch : (k + 1) * batch])
+
+
+def test_dedup_and_route_rejects_a_bad_sample_major_layout() -> None:
+    ids = np.arange(6, dtype=np.int64)
+    starts = np.array([0, 6], dtype=np.int64)
+    bucket_map = default_bucket_map(4, 1)
+    with pytest.raises(ValueError, match="blocks of 4"):
+        dedup_and_route(ids, starts, bucket_map, sample_major=(4, np.arange(2)))
+    with pytest.raises(ValueError, match="permutation"):
+        dedup_and_route(ids, starts, bucket_map, sample_major=(3, np.array([1, 1])))
+
+
 def test_routed_without_order_splits_and_gathers_by_slices() -> None:
     ids = np.array([5, 9, 2, 7], dtype=np.int64)
     routed = Routed([ids[:1], ids[1:]], None, np.array([0, 1, 4]))

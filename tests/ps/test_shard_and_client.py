@@ -163,6 +163,13 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     batch = Batch(np.zeros(3, np.float32), np.zeros((3, 0), np.float32), sparse)
     plan = client.plan(batch)
     assert all(f.single_valued for f in plan.pooled)
+    assert plan.fused_index is not None
+    all_unique = np.concatenate(list(plan.unique_ids.values()))  # the fused buffer's ids, table by table
+    for f, key in enumerate(("a", "b", "c")):
+        np.testing.assert_array_equal(
+            all_unique[plan.fused_index.reshape(3, 3)[:, f]], sparse.feature(key)[0]
+        )
+        np.testing.assert_array_equal(all_unique[plan.pooled[f].inverse], sparse.feature(key)[0])
     pulled = client.pull(plan)
     inp, weights = client.embed(pulled, batch.dense)
     expected = []
