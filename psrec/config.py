@@ -232,6 +232,8 @@ class SyntheticDataConfig(_Strict):
     validation_rows: int = Field(50_000, ge=0)
     cardinality_scale: float = Field(0.01, gt=0)
     seed: int = 0
+    # also write it prepared (`psrec data convert --prepared`) and read that: no text decoding or hashing
+    prepared: bool = False
 
 
 class DataConfig(_Strict):

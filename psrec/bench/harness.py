@@ -89,6 +89,22 @@ _SYSTEMS = [
     _in_process(
         "psrec-cached", "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)", cache_data=True
     ),
+    _in_process(
+        "psrec-bf16-prepared",
+        "(c) psrec in-process, bf16 dense, prepared Parquet (psrec data convert --prepared)",
+        "ceiling-bf16",
+        dense_precision="bf16",
+        prepared=True,
+    ),
+    _in_process(
+        "psrec-bf16-compile-prepared",
+        "(c) psrec in-process, bf16 dense, torch.compile, prepared Parquet",
+        "ceiling-bf16-compile",
+        dense_precision="bf16",
+        compile_model=True,
+        prepared=True,
+    ),
+    _in_process("psrec-prepared", "(c) psrec in-process fp32, prepared Parquet", prepared=True),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
         "ceiling-bf16",

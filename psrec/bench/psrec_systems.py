@@ -58,11 +58,13 @@ def bench_config(
     reserve: bool = True,
     cache_data: bool = False,
     row_precision: str = "fp32",
+    prepared: bool = False,
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload.
 
     With `cache_data`, a first (untimed) epoch reads the data into `training.cache_data`'s cache and
-    the warm-up + timed steps follow in the second epoch."""
+    the warm-up + timed steps follow in the second epoch. With `prepared`, psrec reads the data as
+    `psrec data convert --prepared` writes it (ids hashed, dense values transformed; written untimed)."""
     chunk = max(1, workload.warmup_steps)
     timed_chunks = -(-workload.steps // chunk)
     steps = chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps
@@ -86,7 +88,7 @@ def bench_config(
     )
     return {
         "run_dir": run_dir,
-        "data": {"synthetic": synthetic_config(workload)},
+        "data": {"synthetic": {**synthetic_config(workload), "prepared": prepared}},
         "model": {
             "name": "dlrm",
             "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
@@ -220,6 +222,7 @@ def run_psrec(
     reserve: bool = True,
     cache_data: bool = False,
     row_precision: str = "fp32",
+    prepared: bool = False,
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -249,6 +252,7 @@ def run_psrec(
                 reserve=reserve,
                 cache_data=cache_data,
                 row_precision=row_precision,
+                prepared=prepared,
             ),
             source="<bench>",
         )

@@ -40,11 +40,22 @@ def register(subparsers: Any) -> None:
 
     convert = data_sub.add_parser("convert", help="convert raw TSV/CSV/libfm files to Parquet")
     convert.add_argument("inputs", nargs="+", help="input files or globs")
-    convert.add_argument("--format", choices=["criteo_tsv", "csv", "libfm"], required=True)
+    convert.add_argument(
+        "--format",
+        choices=["criteo_tsv", "csv", "libfm", "parquet"],
+        required=True,
+        help="parquet: with --prepared",
+    )
     convert.add_argument("--out", type=Path, required=True, help="output directory")
     convert.add_argument("--config", type=Path, help="YAML with `schema:` and optional `source:` options")
     convert.add_argument("--on-error", choices=["raise", "skip"], default=None)
     convert.add_argument("--row-group-rows", type=int, default=65536)
+    convert.add_argument(
+        "--prepared",
+        action="store_true",
+        help="write the rows as training prepares them (hashed int64 ids, transformed dense values): "
+        "reading skips decoding text and hashing; the files only serve this schema",
+    )
     convert.set_defaults(func=run_convert)
 
     ctr = data_sub.add_parser(
@@ -121,6 +132,11 @@ def run_convert(args: argparse.Namespace) -> int:
     from psrec.data.errors import BadRowError
 
     console = Console(stderr=True)
+    if args.format == "parquet" and not args.prepared:
+        console.print(
+            "[red]error:[/red] --format parquet converts only with --prepared (Parquet is read as it is)"
+        )
+        return 2
     try:
         source, schema = _load_config(args)
     except (ValidationError, ValueError, OSError) as error:
@@ -135,6 +151,7 @@ def run_convert(args: argparse.Namespace) -> int:
                 args.out,
                 row_group_rows=args.row_group_rows,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
+                prepared=args.prepared,
             )
     except (BadRowError, FileNotFoundError, ValueError) as error:
         console.print(f"[red]error:[/red] {escape(str(error))}")

@@ -10,10 +10,16 @@ Column kinds by schema role:
 - sparse multi-valued and sequences: `separator`-joined text or Arrow lists; empty tokens dropped.
 
 Readers hand over the column `__row_id` too (global row ids, see `psrec.data.units`).
+
+A table can also arrive prepared already: Parquet written by `psrec data convert --prepared` holds
+`prepare_table`'s output, marked in its metadata with the schema it was prepared for
+(`schema_fingerprint`); readers then skip decoding text and hashing (`is_prepared`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -25,6 +31,7 @@ from psrec.data.hashing import MAX_PASSTHROUGH_ID, hash_values
 from psrec.data.schema import DenseFeature, Schema, SequenceFeature, SparseFeature
 
 ROW_ID = "__row_id"
+PREPARED_KEY = b"psrec.prepared"  # Parquet/Arrow schema metadata: the schema fingerprint of prepared data
 
 
 def text_column_types(schema: Schema) -> dict[str, pa.DataType]:
@@ -139,6 +146,23 @@ def prepare_table(schema: Schema, table: pa.Table) -> pa.Table:
             columns[feature.name] = pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids))
     columns[ROW_ID] = table.column(ROW_ID).combine_chunks()
     return pa.table(columns)
+
+
+def schema_fingerprint(schema: Schema) -> str:
+    """What prepared data depends on: a hash of the whole schema (names, transforms, namespaces)."""
+    text = json.dumps(schema.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def mark_prepared(table: pa.Table, schema: Schema) -> pa.Table:
+    """`table` (prepared for `schema`) with the metadata that tells readers so."""
+    return table.replace_schema_metadata({PREPARED_KEY: schema_fingerprint(schema).encode()})
+
+
+def is_prepared(table: pa.Table) -> bool:
+    """True for a table read from prepared data (see the module docstring)."""
+    metadata = table.schema.metadata
+    return metadata is not None and PREPARED_KEY in metadata
 
 
 def _list_ids(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:

@@ -3,6 +3,8 @@
 A row group is the unit of sharding and resume; pyarrow decodes its columns in parallel threads.
 Text columns of hashed features are read dictionary-encoded (each distinct value hashed once).
 Columns are read by the schema's names, so a file may hold more columns than the schema uses.
+Prepared files (`psrec data convert --prepared`: ids already hashed, dense values transformed) are
+read as they are, after checking that they were prepared for this schema.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pyarrow.parquet as pq
 
 from psrec.data.background import checkpoint, gated
 from psrec.data.errors import BadRows
-from psrec.data.features import ROW_ID, bad_rows
+from psrec.data.features import PREPARED_KEY, ROW_ID, bad_rows, schema_fingerprint
 from psrec.data.schema import Schema
 from psrec.data.units import Unit, parquet_units, row_id_base
 
@@ -35,6 +37,21 @@ class ParquetFormat:
         self.errors = errors
         self.columns = schema.label_names + schema.feature_names
         self._dictionary: dict[str, list[str]] = {}
+        self._fingerprint = schema_fingerprint(schema)
+
+    def _prepared(self, path: str, parquet: pq.ParquetFile) -> bool:
+        """True for a file of prepared rows (for this schema: any other is an error)."""
+        metadata = parquet.schema_arrow.metadata or {}
+        if PREPARED_KEY not in metadata:
+            return False
+        found = metadata[PREPARED_KEY].decode()
+        if found != self._fingerprint:
+            raise ValueError(
+                f"{path} holds rows prepared for another schema (fingerprint {found}, this schema's is "
+                f"{self._fingerprint}): prepare the raw data again with `psrec data convert --prepared` "
+                "and this config, or read the raw files"
+            )
+        return True
 
     def _dictionary_columns(self, path: str) -> list[str]:
         """Text columns of single-valued hashed features: read dictionary-encoded, so each distinct
@@ -93,6 +110,7 @@ class ParquetFormat:
                     f"{unit.path}: columns {missing} of the schema are not in the file "
                     f"(it has {parquet.schema_arrow.names})"
                 )
+            prepared = self._prepared(unit.path, parquet)
             table = self._read_row_group(parquet, unit.row_group)
         except (OSError, pa.ArrowException) as error:
             self.errors.report(unit.path, f"row group {unit.row_group}", f"unreadable: {error}")
@@ -100,6 +118,11 @@ class ParquetFormat:
         offsets = np.arange(unit.start, unit.stop, dtype=np.int64)
         table = table.append_column(ROW_ID, pa.array(offsets + row_id_base(unit.file_index)))
         table = table.slice(first - unit.start)
+        if prepared:  # bad rows were dropped (and reported) when the file was prepared
+            table = table.replace_schema_metadata({PREPARED_KEY: self._fingerprint.encode()})
+            if table.num_rows:
+                yield table
+            return
         problems = bad_rows(self.schema, table)
         if problems:
             keep = np.ones(table.num_rows, dtype=bool)

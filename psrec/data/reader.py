@@ -46,7 +46,7 @@ import pyarrow as pa
 from psrec.data.background import BackgroundIterator, InputGate, checkpoint
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
-from psrec.data.features import ROW_ID, prepare_table, table_to_batch
+from psrec.data.features import ROW_ID, is_prepared, prepare_table, table_to_batch
 from psrec.data.schema import DataSource, Schema
 from psrec.data.units import OFFSET_MASK, Unit, expand_paths, shard_units
 
@@ -149,8 +149,9 @@ def _stream(
         prepared: list[pa.Table] = []
         for table in reader.read(units[index], first_after):
             if table.num_rows:
-                checkpoint()  # a held input gate pauses the read between decoding and preparing
-                table = prepare_table(schema, table)
+                if not is_prepared(table):  # `psrec data convert --prepared` did it already
+                    checkpoint()  # a held input gate pauses the read between decoding and preparing
+                    table = prepare_table(schema, table)
                 prepared.append(table)
                 yield index, table
         if cache is not None and whole:

@@ -128,8 +128,26 @@ def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, An
                 target, rows=rows, seed=synthetic.seed + index, cardinality_scale=synthetic.cardinality_scale
             )
             (target / "_SUCCESS").write_text("ok\n")
-        sources[split] = {"format": "parquet", "paths": [str(target / "*.parquet")]}
+        source = {"format": "parquet", "paths": [str(target / "*.parquet")]}
+        if synthetic.prepared:
+            source = _prepared_copy(config, target, source)
+        sources[split] = source
     return sources
+
+
+def _prepared_copy(config: RunConfig, raw: Path, source: dict[str, Any]) -> dict[str, Any]:
+    """The source of `raw`'s rows prepared for the run's schema (written once, cached beside it)."""
+    from psrec.data.convert import convert_to_parquet
+    from psrec.data.features import schema_fingerprint
+    from psrec.data.schema import DataSource
+
+    schema = config.feature_schema()
+    target = raw.with_name(f"{raw.name}-prepared-{schema_fingerprint(schema)}")
+    if not (target / "_SUCCESS").exists():
+        logger.info("preparing %s into %s", raw, target)
+        convert_to_parquet(DataSource.model_validate(source), schema, target, prepared=True)
+        (target / "_SUCCESS").write_text("ok\n")
+    return {"format": "parquet", "paths": [str(target / "*.parquet")]}
 
 
 def train(
