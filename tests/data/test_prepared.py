@@ -105,3 +105,28 @@ def _criteo_schema_yaml() -> str:
 
     dumped = yaml.safe_dump(criteo_schema().model_dump(mode="json"))
     return "".join("  " + line + "\n" for line in dumped.splitlines())
+
+
+def test_prepared_multi_valued_features_read_back(tmp_path: Path) -> None:
+    """libfm fields with several ids a row become list<int64> columns and read back the same."""
+    (tmp_path / "a.libfm").write_bytes(b"1 0:1 12:1 30:1 31:1\n0 3:1 10:1\n1 4:1 11:1 33:1 34:1 35:1\n")
+    schema = Schema.model_validate(
+        {
+            "label": "label",
+            "sparse": [
+                {"name": "user", "table": "users", "hashed": False},
+                {"name": "item", "table": "items", "hashed": False},
+                {"name": "tag", "table": "tags", "multi_valued": True},
+            ],
+        }
+    )
+    source = DataSource(
+        format="libfm", paths=["a.libfm"], field_ranges={"user": (0, 9), "item": (10, 29), "tag": (30, 39)}
+    )
+    convert_to_parquet(source, schema, tmp_path / "out", base_dir=tmp_path, prepared=True)
+    convert_to_parquet(source, schema, tmp_path / "plain", base_dir=tmp_path)
+    prepared = read(DataSource(format="parquet", paths=["out/*.parquet"]), schema, tmp_path)
+    assert_same_batches(
+        prepared, read(DataSource(format="parquet", paths=["plain/*.parquet"]), schema, tmp_path)
+    )
+    assert prepared[0].sparse.lengths.tolist() == [1, 1, 1, 1, 1, 1, 2, 0, 3]
