@@ -48,42 +48,59 @@ def _uniform24(hash_value):  # pragma: no cover - numba
 
 
 @numba.njit(cache=True, nogil=True)
-def _initial_rows_kernel(ids, out, kind, std, scale, seed):  # pragma: no cover - numba
+def _initial_rows_kernel(ids, rows, out, kind, std, scale, seed):  # pragma: no cover - numba
+    """out[rows[i]] = the initial row of ids[i]."""
     dim = out.shape[1]
     gamma = np.uint64(GOLDEN_GAMMA)
     for i in range(ids.shape[0]):
+        target = out[rows[i]]
         if kind == 0:
             for j in range(dim):
-                out[i, j] = 0.0
+                target[j] = 0.0
             continue
         base = hash_key(ids[i], seed)
         if kind == 1:
             for j in range(dim):
                 u = _uniform24(mix64(base + np.uint64(j + 1) * gamma))
-                out[i, j] = scale * (np.float32(2.0) * u - np.float32(1.0))
+                target[j] = scale * (np.float32(2.0) * u - np.float32(1.0))
             continue
         for j in range(0, dim, 2):
             u_radius = _uniform24(mix64(base + np.uint64(j + 1) * gamma))
             u_angle = _uniform24(mix64(base + np.uint64(j + 2) * gamma))
             radius = std * np.sqrt(np.float32(-2.0) * np.log(np.float32(1.0) - u_radius))
             angle = np.float32(TWO_PI) * u_angle
-            out[i, j] = radius * np.cos(angle)
+            target[j] = radius * np.cos(angle)
             if j + 1 < dim:
-                out[i, j + 1] = radius * np.sin(angle)
+                target[j + 1] = radius * np.sin(angle)
 
 
-def initial_rows(ids: np.ndarray, dim: int, spec: InitializerSpec, seed: int) -> np.ndarray:
-    """(len(ids), dim) float32 initial rows (numba)."""
-    out = np.empty((ids.shape[0], dim), dtype=np.float32)
+def write_initial_rows(
+    out: np.ndarray, rows: np.ndarray, ids: np.ndarray, spec: InitializerSpec, seed: int
+) -> None:
+    """``out[rows[i]] = `` the initial row of ``ids[i]``, written in place (e.g. straight into a
+    table's float32 storage: no temporary rows and no second copy). `out` is C-contiguous float32."""
+    if out.dtype != np.float32 or out.ndim != 2 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous 2-D float32 array, got {out.dtype} {out.shape}")
+    if rows.shape != ids.shape:
+        raise ValueError(f"rows {rows.shape} and ids {ids.shape} must have the same shape")
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= out.shape[0]):
+        raise IndexError(f"rows must lie in [0, {out.shape[0]})")
     if ids.shape[0]:
         _initial_rows_kernel(
             ids,
+            rows,
             out,
             INITIALIZER_CODES[spec.kind],
             np.float32(spec.std),
             np.float32(spec.scale),
             np.uint64(derived_seed(seed, INITIALIZER_DOMAIN)),
         )
+
+
+def initial_rows(ids: np.ndarray, dim: int, spec: InitializerSpec, seed: int) -> np.ndarray:
+    """(len(ids), dim) float32 initial rows (numba)."""
+    out = np.empty((ids.shape[0], dim), dtype=np.float32)
+    write_initial_rows(out, np.arange(ids.shape[0]), ids, spec, seed)
     return out
 
 

@@ -32,7 +32,7 @@ from psrec.embedding.admission import Admission
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.eviction import rows_to_evict
 from psrec.embedding.hash_index import INDEX_GROWTH, INDEX_SLOT_BYTES, MAX_LOAD, ROW_GROWTH, HashIndex
-from psrec.embedding.initializers import initial_rows
+from psrec.embedding.initializers import initial_rows, write_initial_rows
 from psrec.embedding.optimizers import STATE_LAYOUT, SparseOptimizer, aggregate_gradients
 from psrec.embedding.precision import RowStorage
 from psrec.embedding.specs import (
@@ -191,8 +191,11 @@ class EmbeddingTable:
         if inserted.any():
             new_rows = rows[inserted]
             new_ids = ids[inserted]
-            values = initial_rows(new_ids, self.dim, self.initializer, self.seed)
-            self._storage.write(new_rows, values, new_ids, 0, stochastic=False)
+            if self.precision == "fp32":  # straight into storage (an fp32 row stores as it is)
+                write_initial_rows(self._storage.values, new_rows, new_ids, self.initializer, self.seed)
+            else:
+                values = initial_rows(new_ids, self.dim, self.initializer, self.seed)
+                self._storage.write(new_rows, values, new_ids, 0, stochastic=False)
             self._optimizer.reset_rows(new_rows)
             self._counts[new_rows] = 0
             self._last_step[new_rows] = self._clock

@@ -8,7 +8,7 @@ import pytest
 
 from psrec.embedding import InitializerSpec
 from psrec.embedding.hashing import fastrange32, fastrange32_numpy, hash_key, hash_key_numpy
-from psrec.embedding.initializers import initial_rows, initial_rows_numpy
+from psrec.embedding.initializers import initial_rows, initial_rows_numpy, write_initial_rows
 
 IDS = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max, -1, 0, 1, 42, -(2**40)], dtype=np.int64)
 
@@ -56,3 +56,18 @@ def test_distributions_have_the_requested_scale() -> None:
     assert abs(normal.mean()) < 3e-4 and abs(normal.std() - 0.02) < 5e-4
     uniform = initial_rows(ids, 16, InitializerSpec("uniform", scale=0.05), 0)
     assert uniform.min() >= -0.05 and uniform.max() < 0.05 and abs(uniform.std() - 0.05 / np.sqrt(3)) < 5e-4
+
+
+@pytest.mark.parametrize("kind", ["zeros", "uniform", "normal"])
+def test_write_initial_rows_writes_the_rows_in_place(kind: str) -> None:
+    spec = InitializerSpec(kind, std=0.5, scale=0.3)
+    out = np.full((10, 6), 7.0, np.float32)
+    rows = np.array([8, 2, 5], dtype=np.int32)
+    write_initial_rows(out, rows, IDS[:3], spec, 11)
+    np.testing.assert_array_equal(out[rows], initial_rows(IDS[:3], 6, spec, 11))
+    untouched = np.setdiff1d(np.arange(10), rows)
+    np.testing.assert_array_equal(out[untouched], np.full((7, 6), 7.0, np.float32))
+    with pytest.raises(IndexError, match=r"\[0, 10\)"):
+        write_initial_rows(out, np.array([10]), IDS[:1], spec, 11)
+    with pytest.raises(ValueError, match="float32"):
+        write_initial_rows(out.astype(np.float64), rows, IDS[:3], spec, 11)
