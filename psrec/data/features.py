@@ -154,9 +154,10 @@ def schema_fingerprint(schema: Schema) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def mark_prepared(table: pa.Table, schema: Schema) -> pa.Table:
-    """`table` (prepared for `schema`) with the metadata that tells readers so."""
-    return table.replace_schema_metadata({PREPARED_KEY: schema_fingerprint(schema).encode()})
+def mark_prepared(table: pa.Table, fingerprint: str) -> pa.Table:
+    """`table`, prepared for the schema of this `schema_fingerprint`, with the metadata that tells
+    readers so."""
+    return table.replace_schema_metadata({PREPARED_KEY: fingerprint.encode()})
 
 
 def is_prepared(table: pa.Table) -> bool:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from psrec.data.background import checkpoint, gated
 from psrec.data.errors import BadRows
-from psrec.data.features import PREPARED_KEY, ROW_ID, bad_rows, schema_fingerprint
+from psrec.data.features import PREPARED_KEY, ROW_ID, bad_rows, mark_prepared, schema_fingerprint
 from psrec.data.schema import Schema
 from psrec.data.units import Unit, parquet_units, row_id_base
 
@@ -119,7 +119,7 @@ class ParquetFormat:
         table = table.append_column(ROW_ID, pa.array(offsets + row_id_base(unit.file_index)))
         table = table.slice(first - unit.start)
         if prepared:  # bad rows were dropped (and reported) when the file was prepared
-            table = table.replace_schema_metadata({PREPARED_KEY: self._fingerprint.encode()})
+            table = mark_prepared(table, self._fingerprint)  # column groups dropped the metadata
             if table.num_rows:
                 yield table
             return

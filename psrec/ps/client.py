@@ -270,14 +270,13 @@ class EmbeddingClient:
                 [ids[bounds[s] : bounds[s + 1]] for s in range(counts.shape[1])], None, bounds
             )
             spans[name] = (start, stop)
-        pooled: list[_FeatureIndex] = []
         if fused:
             grid = inverse.reshape(b, len(features))  # (B, F) positions into the fused buffer
-            pooled = [
+            fused_features = [
                 _FeatureIndex(key, table, grid[:, f], None, None, True)
                 for f, (key, table, _, _, _) in enumerate(features)
             ]
-            return LookupPlan(unique_ids, routed, pooled, [], b, spans, inverse)
+            return LookupPlan(unique_ids, routed, fused_features, [], b, spans, inverse)
         at: dict[int, int] = {}  # feature -> start of its ids in `all_ids` / `inverse`
         for t, name in enumerate(names):
             position = int(table_starts[t])
@@ -285,7 +284,7 @@ class EmbeddingClient:
                 at[f] = position
                 position += features[f][3]
         position_of = {name: t for t, name in enumerate(names)}
-        pooled.clear()
+        pooled: list[_FeatureIndex] = []
         sequences: list[_FeatureIndex] = []
         for f, (key, table, _, size, mask) in enumerate(features):
             index = inverse[at[f] : at[f] + size]  # positions into all tables' unique ids
