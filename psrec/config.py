@@ -75,6 +75,11 @@ class TableConfig(_Strict):
         description="rows the table is expected to reach: shards reserve their share up front (no growth "
         "copies while the rows arrive) and the collective planner balances by it",
     )
+    populate: bool = Field(
+        True,
+        description="back the rows reserved for expected_rows with memory when the table is built, not "
+        "in the steps that first write them (false: memory is committed as rows arrive)",
+    )
     optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
     initializer: InitializerConfig = InitializerConfig()
     precision: Literal["fp32", "fp16", "int8"] = "fp32"

@@ -40,3 +40,40 @@ def test_the_cli_exports_the_settings_to_its_children() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     expected = str(allocator.SETTINGS["MALLOC_TRIM_THRESHOLD_"]) if allocator._libc() is not None else "None"
     assert out.stdout.strip() == expected
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("kernel_call", [True, False], ids=["madvise", "page-writes"])
+def test_populate_backs_the_pages_and_keeps_the_contents(
+    kernel_call: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numpy as np
+
+    if not kernel_call:
+        monkeypatch.setattr(allocator, "_libc", lambda: None)
+    array = np.zeros((1 << 20, 16), np.float32)  # 64 MiB, mapped but untouched
+    array[12345] = 7.0
+    array[-1] = -1.0
+    before = _rss_bytes()
+    allocator.populate(array)
+    assert _rss_bytes() - before > 0.9 * array.nbytes
+    assert (array[12345] == 7.0).all() and (array[-1] == -1.0).all()
+    assert np.count_nonzero(array) == 32
+    allocator.populate(np.zeros(0, np.float32))  # nothing to do
+
+
+def test_populate_refuses_what_it_cannot_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(allocator, "_libc", lambda: None)
+    array = np.zeros(1 << 16, np.float32)
+    array.flags.writeable = False
+    with pytest.raises(ValueError, match="writeable"):
+        allocator.populate(array)

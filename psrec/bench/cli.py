@@ -10,7 +10,8 @@ Systems: a pytorch, b torchrec, c psrec + psrec-bf16, d psrec-ray, e ceiling + c
 psrec-bf16-compile + ceiling-bf16-compile (torch.compile of the dense model, `training.compile`),
 psrec-ray-1x1, psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
-convert --prepared` writes it), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
+convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
+`populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
 pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process). "of ceil" divides by
 the dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one).
 """

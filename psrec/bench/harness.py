@@ -105,6 +105,14 @@ _SYSTEMS = [
         prepared=True,
     ),
     _in_process("psrec-prepared", "(c) psrec in-process fp32, prepared Parquet", prepared=True),
+    _in_process(
+        "psrec-bf16-prepared-lazy",
+        "(c) psrec-bf16-prepared with populate: false (reserved rows backed as they are first written)",
+        "ceiling-bf16",
+        dense_precision="bf16",
+        prepared=True,
+        populate=False,
+    ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
         "ceiling-bf16",

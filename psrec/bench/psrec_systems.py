@@ -59,6 +59,7 @@ def bench_config(
     cache_data: bool = False,
     row_precision: str = "fp32",
     prepared: bool = False,
+    populate: bool = True,
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload.
 
@@ -75,6 +76,7 @@ def bench_config(
         "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
         "initializer": {"kind": "uniform", "scale": workload.init_scale},
         "precision": row_precision,
+        "populate": populate,
     }
     # The fixed-size systems allocate exactly these rows up front; psrec gets the same sizes as a
     # hint (`expected_rows`: shards reserve their share), its tables still grow past them if needed.
@@ -223,6 +225,7 @@ def run_psrec(
     cache_data: bool = False,
     row_precision: str = "fp32",
     prepared: bool = False,
+    populate: bool = True,
 ) -> dict[str, Any]:
     """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
     from psrec.config import parse_config
@@ -253,6 +256,7 @@ def run_psrec(
                 cache_data=cache_data,
                 row_precision=row_precision,
                 prepared=prepared,
+                populate=populate,
             ),
             source="<bench>",
         )

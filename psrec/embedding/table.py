@@ -16,8 +16,10 @@ marker is ``generation << 32 | clock`` where ``import_state`` starts a new gener
 marker therefore holds every row changed after it (and possibly a few changed at the same clock just
 before it, which is harmless: rows are written whole). Stale pushes (an async trainer's older step)
 stamp rows with the clock, not their own step, so deltas and TTL never go backwards. Eviction runs
-only when ``evict`` is called (the shard calls it every N steps). Not thread-safe: one caller at a
-time (the numba kernels release the GIL, so other threads run meanwhile).
+only when ``evict`` is called (the shard calls it every N steps). Capacity reserved with
+``initial_rows`` is backed with memory when the table is built (``populate``, default on). Not
+thread-safe: one caller at a time (the numba kernels release the GIL, so other threads run
+meanwhile).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from psrec.allocator import populate
 from psrec.embedding.admission import Admission
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.eviction import rows_to_evict
@@ -85,6 +88,7 @@ class EmbeddingTable:
         eviction: EvictionSpec = EvictionSpec(),  # noqa: B008
         seed: int = 0,
         initial_rows: int = 0,
+        populate: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"table name must be a non-empty string, got {name!r}")
@@ -129,6 +133,8 @@ class EmbeddingTable:
         self._removal_log: list[tuple[int, np.ndarray]] = []  # (clock at removal, removed ids)
         self._removals_kept_from = 0
         self._sync_capacity()
+        if initial_rows and populate:
+            self._populate()
 
     # ----------------------------------------------------------------------------------- properties
     @property
@@ -179,6 +185,14 @@ class EmbeddingTable:
         self._storage.grow(capacity)
         self._optimizer.grow(capacity)
         self._metadata = grow_rows(self._metadata, capacity)
+
+    def _populate(self) -> None:
+        """Back the reserved capacity with memory now, not at the steps that first write it."""
+        index, storage = self._index, self._storage
+        arrays = (index.tags, index.slots, index.keys, storage.values, storage.scales, storage.offsets)
+        for array in (*arrays, self._metadata, *self._optimizer.state.values()):
+            if array is not None:
+                populate(array)
 
     def _initial_rows(self, ids: np.ndarray) -> np.ndarray:
         """Initial rows as a stored row would read back (rounded to the storage precision)."""

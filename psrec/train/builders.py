@@ -38,6 +38,7 @@ def build_table(name: str, config: TableConfig, *, seed: int, initial_rows: int 
         eviction=EvictionSpec(ttl_steps=config.eviction.ttl_steps, max_rows=config.eviction.max_rows),
         seed=seed,
         initial_rows=initial_rows,
+        populate=config.populate,
     )
 
 
@@ -67,6 +68,7 @@ def table_specs(config: RunConfig) -> dict[str, TableConfig]:
                 initializer=InitializerConfig(kind="zeros"),
                 admission=base.admission,
                 eviction=base.eviction,
+                populate=base.populate,
             )
     return specs
 

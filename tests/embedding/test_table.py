@@ -53,6 +53,28 @@ def test_pull_inserts_deterministic_initial_rows_for_extreme_ids() -> None:
     np.testing.assert_array_equal(reversed_rows[::-1], rows)
 
 
+@pytest.mark.parametrize("populate", [True, False])
+def test_reserved_rows_are_backed_with_memory_at_build_unless_told_not_to(
+    populate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psrec.embedding import table as table_module
+
+    populated: list[int] = []
+    real = table_module.populate
+    monkeypatch.setattr(table_module, "populate", lambda array: populated.append(array.nbytes) or real(array))
+    rows = 300_000
+    table = make_table(dim=16, initial_rows=rows, populate=populate)
+    if not populate:
+        assert populated == []
+    else:  # every per-row array, the index included: payload, optimizer state, metadata, ids, slots
+        assert sum(populated) >= rows * (16 * 4 + 4 + 8 + 8 + 5)
+    ids = np.arange(0, 3 * rows, 3, dtype=np.int64)
+    np.testing.assert_array_equal(table.pull(ids), make_table(dim=16).pull(ids))
+    populated.clear()
+    make_table(populate=True)  # nothing reserved: nothing to populate
+    assert populated == []
+
+
 def test_pull_eval_never_inserts() -> None:
     table = make_table()
     rows = table.pull(EXTREME_IDS, train=False)

@@ -266,6 +266,21 @@ _SIZED = {  # expected sizes for sharding "auto": C3 outweighs an even share, th
 }
 
 
+def test_reserved_tables_are_populated_unless_the_config_says_not(
+    dataset: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psrec.embedding import table as table_module
+
+    populated: list[int] = []
+    monkeypatch.setattr(table_module, "populate", lambda array: populated.append(array.nbytes))
+    builders.build_tables(make_config(dataset, tmp_path, **{"embedding.default.expected_rows": 1000}))
+    assert len(populated) >= 26 * 5  # every table's payload, state, metadata, ids and index
+    populated.clear()
+    lazy = {"embedding.default.expected_rows": 1000, "embedding.default.populate": False}
+    builders.build_tables(make_config(dataset, tmp_path, **lazy))
+    assert populated == []
+
+
 def test_collective_placement_follows_the_planner(dataset: dict[str, Any], tmp_path: Path) -> None:
     config = make_config(
         dataset,
