@@ -21,6 +21,7 @@ import numpy as np
 
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+_PROBE = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
 
 
 def bucket_of(ids: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -122,25 +123,29 @@ def _dedup_and_route(
     written = 0
     for t in range(num_tables):
         first, last = table_starts[t], table_starts[t + 1]
-        mask = 16
-        while mask < 2 * (last - first):
-            mask *= 2
-        mask -= 1
+        bits = 4
+        while (1 << bits) < 2 * (last - first):
+            bits += 1
+        mask = (1 << bits) - 1
+        shift = np.uint64(64 - bits)
         slot_row[: mask + 1] = -1
         found = 0
         for i in range(first, last):
             value = ids[i]
-            x = np.uint64(value)
-            x = (x ^ (x >> np.uint64(30))) * _MIX1
-            x = (x ^ (x >> np.uint64(27))) * _MIX2
-            x = x ^ (x >> np.uint64(31))
-            slot = np.int64(x & np.uint64(mask))
+            # the probe's slot: a multiplicative hash (top bits); the bucket hash only for new ids
+            slot = np.int64((np.uint64(value) * _PROBE) >> shift)
             while True:
                 row = slot_row[slot]
                 if row < 0:
                     slot_row[slot] = found
                     local_ids[found] = value
-                    shard = bucket_to_shard[np.int64(x % num_buckets)]
+                    shard = 0
+                    if num_shards > 1:
+                        x = np.uint64(value)
+                        x = (x ^ (x >> np.uint64(30))) * _MIX1
+                        x = (x ^ (x >> np.uint64(27))) * _MIX2
+                        x = x ^ (x >> np.uint64(31))
+                        shard = bucket_to_shard[np.int64(x % num_buckets)]
                     local_shard[found] = shard
                     counts[t, shard] += 1
                     local_inverse[i - first] = found
@@ -161,10 +166,10 @@ def _dedup_and_route(
             unique[target] = local_ids[u]
             new_position[u] = target
         if batch > 0:  # sample major: block k of `batch` ids is column columns[k] of (batch, num_columns)
-            for i in range(first, last):
-                inverse[(i % batch) * num_columns + columns[i // batch]] = new_position[
-                    local_inverse[i - first]
-                ]
+            for block_start in range(first, last, batch):  # blocks, so no division per id
+                column = columns[block_start // batch]
+                for j in range(batch):
+                    inverse[j * num_columns + column] = new_position[local_inverse[block_start + j - first]]
         else:
             for i in range(first, last):
                 inverse[i] = new_position[local_inverse[i - first]]
