@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_the_cli_exports_the_settings_to_its_children() -> None:
 
 
 def _rss_bytes() -> int:
-    for line in open("/proc/self/status"):
+    for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")

@@ -34,7 +34,14 @@ from psrec.allocator import populate
 from psrec.embedding.admission import Admission
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.eviction import rows_to_evict
-from psrec.embedding.hash_index import INDEX_GROWTH, INDEX_SLOT_BYTES, MAX_LOAD, ROW_GROWTH, HashIndex
+from psrec.embedding.hash_index import (
+    INDEX_GROWTH,
+    INDEX_SLOT_BYTES,
+    MAX_LOAD,
+    ROW_GROWTH,
+    HashIndex,
+    ids_digest,
+)
 from psrec.embedding.initializers import initial_rows, write_initial_rows
 from psrec.embedding.optimizers import STATE_LAYOUT, SparseOptimizer, aggregate_gradients
 from psrec.embedding.precision import RowStorage
@@ -132,6 +139,7 @@ class EmbeddingTable:
         self._generation = 0
         self._removal_log: list[tuple[int, np.ndarray]] = []  # (clock at removal, removed ids)
         self._removals_kept_from = 0
+        self._last_pull: tuple[np.ndarray, np.ndarray, int] | None = None  # (ids, rows, digest)
         self._sync_capacity()
         if initial_rows and populate:
             self._populate()
@@ -238,6 +246,8 @@ class EmbeddingTable:
                 rows[admitted_positions] = self._insert(ids[admitted_positions])
                 missing = int(np.count_nonzero(rows < 0))
         if not missing:
+            if train:
+                self._last_pull = (ids, rows, ids_digest(ids))
             return self._storage.gather(rows, out)
         present = rows >= 0
         if out is None:
@@ -259,7 +269,9 @@ class EmbeddingTable:
             )
         step = self._check_step(step)
         grads = np.ascontiguousarray(grads)
-        rows, _ = self._index.lookup(ids)
+        rows = self._pulled_rows(ids)
+        if rows is None:
+            rows, _ = self._index.lookup(ids)
         unique_rows, gradients, gradient_rows, occurrences, finite = aggregate_gradients(rows, grads)
         if not finite:
             raise ValueError(self._message("grads contain NaN or Inf"))
@@ -280,6 +292,16 @@ class EmbeddingTable:
             positions = np.arange(unique_rows.shape[0], dtype=np.int32)
             self._optimizer.update(scratch, positions, unique_rows, gradients, gradient_rows, *record)
             self._storage.write(unique_rows, scratch, self._index.keys[unique_rows], step, stochastic=True)
+
+    def _pulled_rows(self, ids: np.ndarray) -> np.ndarray | None:
+        """The rows of the last training pull when `ids` is that pull's array, unchanged, and every id
+        was present. Rows keep their numbers until a removal (which forgets the pull), so the
+        push that follows its pull (the trainer's step) skips the hash lookup: cache misses, after
+        forward and backward, where the digest is one sequential pass."""
+        last, self._last_pull = self._last_pull, None
+        if last is None or last[0] is not ids or ids_digest(ids) != last[2]:
+            return None
+        return last[1]
 
     def _with_untouched_rows(
         self, rows: np.ndarray, gradients: np.ndarray, gradient_rows: np.ndarray, occurrences: np.ndarray
@@ -306,6 +328,7 @@ class EmbeddingTable:
 
     # ------------------------------------------------------------------------------ remove / evict
     def _remove_present(self, ids: np.ndarray) -> int:
+        self._last_pull = None  # freed rows may be reused
         freed = self._index.remove(ids)
         removed_ids = ids[freed >= 0]
         if removed_ids.shape[0]:
@@ -452,6 +475,7 @@ class EmbeddingTable:
         lr = float(state.config.get("optimizer", {}).get("lr", self.optimizer.lr))
         self.set_learning_rate(lr)
         self._index = HashIndex(initial_rows=state.ids.shape[0])
+        self._last_pull = None
         self._metadata = np.zeros((0, 2), dtype=np.uint32)
         self._storage = RowStorage(
             self.precision, self.dim, stochastic_rounding=self.stochastic_rounding, seed=self.seed

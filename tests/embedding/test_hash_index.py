@@ -79,3 +79,17 @@ def test_churn_keeps_lookups_correct_after_growth() -> None:
         probe = generator.integers(-6000, 6000, size=3000).astype(np.int64)
         assert index.lookup(probe)[0].tolist() == [reference.get(key, -1) for key in probe.tolist()]
     _check_against(index, reference)
+
+
+def test_ids_digest_changes_with_any_id_or_their_order() -> None:
+    from psrec.embedding.hash_index import ids_digest
+
+    ids = np.random.default_rng(0).integers(-(2**62), 2**62, size=1000, dtype=np.int64)
+    digest = ids_digest(ids)
+    assert digest == ids_digest(ids.copy())
+    changed = ids.copy()
+    changed[500] += 1
+    swapped = ids.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    others = {ids_digest(changed), ids_digest(swapped), ids_digest(ids[:-1]), ids_digest(ids[:0])}
+    assert digest not in others and len(others) == 4

@@ -75,6 +75,58 @@ def test_reserved_rows_are_backed_with_memory_at_build_unless_told_not_to(
     assert populated == []
 
 
+def _counting_lookups(table: EmbeddingTable, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = table._index.lookup
+    monkeypatch.setattr(table._index, "lookup", lambda ids: calls.append(ids.size) or real(ids))
+    return calls
+
+
+def test_a_push_after_its_pull_reuses_the_pulled_rows_and_updates_the_same_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ids = np.array([5, 9, -2, 40], dtype=np.int64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+    reference = make_table()
+    reference.pull(ids.copy())
+    reference.push(ids.copy(), grads, step=1)  # another array: looked up
+    table = make_table()
+    lookups = _counting_lookups(table, monkeypatch)
+    table.pull(ids)
+    table.push(ids, grads, step=1)
+    assert lookups == [4]  # the pull's only
+    assert_same_snapshot(snapshot(table), snapshot(reference))
+    table.push(ids, grads, step=2)  # a pull is reused once
+    assert lookups == [4, 4]
+
+
+def test_pulled_rows_are_not_reused_for_changed_ids_or_after_a_removal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = np.ones((3, 4), dtype=np.float32)
+    table = make_table()
+    lookups = _counting_lookups(table, monkeypatch)
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    table.pull(ids)
+    ids[0] = 7  # same array, other ids: 7 is unknown, so only 2 and 3 are updated
+    before = table.pull(np.array([1, 2, 3], dtype=np.int64), train=False)
+    table.push(ids, grads, step=1)
+    after = table.pull(np.array([1, 2, 3], dtype=np.int64), train=False)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert (after[1:] != before[1:]).all()
+    assert table.num_rows == 3 and lookups[-1] == 3
+    ids = np.array([1, 2, 3], dtype=np.int64)
+    table.pull(ids)
+    table.remove(np.array([2], dtype=np.int64))  # its row is free for the next new id
+    count = len(lookups)
+    table.push(ids, grads, step=2)
+    assert len(lookups) == count + 1  # looked up again: id 2 is gone, its gradient dropped
+    assert table.num_rows == 2
+    evaluated = make_table()
+    evaluated.pull(ids, train=False)  # evaluation pulls are not remembered
+    assert evaluated._last_pull is None
+
+
 def test_pull_eval_never_inserts() -> None:
     table = make_table()
     rows = table.pull(EXTREME_IDS, train=False)
