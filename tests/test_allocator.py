@@ -1,3 +1,4 @@
+import mmap
 import os
 import subprocess
 import sys
@@ -59,7 +60,8 @@ def test_populate_backs_the_pages_and_keeps_the_contents(
 
     if not kernel_call:
         monkeypatch.setattr(allocator, "_libc", lambda: None)
-    array = np.zeros((1 << 20, 16), np.float32)  # 64 MiB, mapped but untouched
+    memory = mmap.mmap(-1, 64 << 20)  # a fresh anonymous mapping: no page touched yet
+    array = np.frombuffer(memory, dtype=np.float32).reshape(-1, 16)
     array[12345] = 7.0
     array[-1] = -1.0
     before = _rss_bytes()
