@@ -24,7 +24,7 @@ no batch is ready). On two shared cores, every input thread that ran beside the 
 more than its own work: the pull took 3.2-4.1 instead of 1.8-2.2 ms (GIL and cores shared), and
 forward, backward and the optimizer lost their cores to the reader's decode. Holding the input only
 during pull, push and the optimizer (session 5) gained 2-4%. Holding it for the whole step gained
-another 5.6-7.8% in eager bf16 and 9.3% compiled (docs/benchmarks.md, sixth session): input work
+another 5.6-7.8% in eager bf16 and 9.3% compiled (docs/benchmarks-history-2.md, sixth session): input work
 then runs only while the trainer would wait anyway, on both cores.
 """
 

@@ -12,7 +12,7 @@ huge pages before it is written (`psrec.allocator.advise_huge_pages`; NumPy also
 fresh allocations of 4 MiB or more, but ``realloc`` growth gets no advice). Later in-place growth
 keeps the advice: mremap moves the mapping with its flags. In the bench's tables (26 tables, 435 MiB
 of rows, reserved up front) the rows had no huge pages before and about 400 MiB after. Pull became
-5% faster, push 7%, and the step 0.3-1.6% (docs/benchmarks.md, sixth session).
+5% faster, push 7%, and the step 0.3-1.6% (docs/benchmarks-history-2.md, sixth session).
 """
 
 from __future__ import annotations

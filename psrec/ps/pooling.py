@@ -13,7 +13,7 @@ The forward is numba too, on one thread: the unique rows are cast first (to bflo
 nearest even as PyTorch does), then gathered. PyTorch's ``to`` + ``index_select`` give the same
 bits using both threads, and the training step measured 2.9% (eager) and 7.5% (compiled) faster
 with this one: the gather only moves memory, and its second thread was taken from the input
-pipeline and the dense model sharing the two cores (`docs/benchmarks.md`, sixth session).
+pipeline and the dense model sharing the two cores (`docs/benchmarks-history-2.md`, sixth session).
 """
 
 from __future__ import annotations
