@@ -25,6 +25,7 @@ meanwhile).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -196,11 +197,18 @@ class EmbeddingTable:
 
     def _populate(self) -> None:
         """Back the reserved capacity with memory now, not at the steps that first write it."""
+        started = time.perf_counter()
         index, storage = self._index, self._storage
         arrays = (index.tags, index.slots, index.keys, storage.values, storage.scales, storage.offsets)
         for array in (*arrays, self._metadata, *self._optimizer.state.values()):
             if array is not None:
                 populate(array)
+        logger.debug(
+            "table %r: populated %.1f MiB of reserved rows in %.2f s",
+            self.name,
+            self.memory_bytes()["total"] / 2**20,
+            time.perf_counter() - started,
+        )
 
     def _initial_rows(self, ids: np.ndarray) -> np.ndarray:
         """Initial rows as a stored row would read back (rounded to the storage precision)."""
