@@ -133,7 +133,7 @@ class RowLeaves:
     """The pulled rows as autograd leaves: one per table, or one per fused buffer (see `LookupPlan`).
 
     `table(name)` is the tensor the model input is built from; after backward `grad(name)` is that
-    table's row gradients (a view into its leaf's gradient when fused), None when it got none.
+    table's row gradients (NumPy, a view into its leaf's gradient), None when it got none.
     """
 
     def __init__(self, pulled: PulledRows, requires_grad: bool) -> None:
@@ -160,16 +160,10 @@ class RowLeaves:
         key, start, stop = self.spans[name]
         return self.fused[key][start:stop]
 
-    def grad(self, name: str) -> torch.Tensor | None:
-        if name in self.own:
-            return self.own[name].grad
-        key, start, stop = self.spans[name]
-        grad = self.fused[key].grad
-        return None if grad is None else grad[start:stop]
-
-    def grad_array(self, name: str) -> np.ndarray | None:
-        """`grad(name)` as a NumPy view; a fused leaf's gradient is wrapped once and sliced in NumPy
-        (26 tables' torch slices cost about 0.3 ms a step)."""
+    def grad(self, name: str) -> np.ndarray | None:
+        """After backward, `name`'s row gradients as a NumPy view; None when it got none. A fused
+        leaf's gradient is wrapped once and sliced in NumPy (26 tables' torch slices cost about
+        0.3 ms a step)."""
         if name in self.own:
             grad = self.own[name].grad
             return None if grad is None else grad.numpy()
@@ -471,7 +465,7 @@ class EmbeddingClient:
         """
         per_shard: list[TableGradients] = [{} for _ in self.connections]
         for name, source in self._tables_of(plan):
-            grad_np = leaves.grad_array(name)
+            grad_np = leaves.grad(name)
             routed = plan.routed[source]
             if grad_np is None:
                 dim = 1 if name.endswith(LINEAR_SUFFIX) else self.table_dims[name]

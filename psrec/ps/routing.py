@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_PROBE = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Fibonacci hashing)
+from psrec.embedding.hashing import GOLDEN_GAMMA, mix64, mix64_numpy
+
+_PROBE = np.uint64(GOLDEN_GAMMA)  # 2**64 / golden ratio: Fibonacci hashing of the dedup's probes
 
 
 def bucket_of(ids: np.ndarray, num_buckets: int) -> np.ndarray:
@@ -29,11 +29,7 @@ def bucket_of(ids: np.ndarray, num_buckets: int) -> np.ndarray:
 
     Feature ids are often sequential or share low bits; the finaliser spreads them evenly.
     """
-    x = ids.astype(np.int64, copy=False).view(np.uint64)
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _MIX1
-        x = (x ^ (x >> np.uint64(27))) * _MIX2
-        x = x ^ (x >> np.uint64(31))
+    x = mix64_numpy(ids.astype(np.int64, copy=False).view(np.uint64))
     return (x % np.uint64(num_buckets)).astype(np.int64)
 
 
@@ -140,12 +136,8 @@ def _dedup_and_route(
                     slot_row[slot] = found
                     local_ids[found] = value
                     shard = 0
-                    if num_shards > 1:
-                        x = np.uint64(value)
-                        x = (x ^ (x >> np.uint64(30))) * _MIX1
-                        x = (x ^ (x >> np.uint64(27))) * _MIX2
-                        x = x ^ (x >> np.uint64(31))
-                        shard = bucket_to_shard[np.int64(x % num_buckets)]
+                    if num_shards > 1:  # the bucket of `bucket_of`
+                        shard = bucket_to_shard[np.int64(mix64(np.uint64(value)) % num_buckets)]
                     local_shard[found] = shard
                     counts[t, shard] += 1
                     local_inverse[i - first] = found

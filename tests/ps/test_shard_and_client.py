@@ -182,17 +182,20 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     (inp.pooled * torch.arange(1.0, 4.0).view(1, 3, 1)).sum().backward(retain_graph=True)
     # Feature a (table t, weight 1) and c (table t, weight 3): id 2 appears once in each -> grad 4.
     unique_t = plan.unique_ids["t"].tolist()
-    np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)].numpy(), np.full(DIM, 4.0))
+    np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)], np.full(DIM, 4.0))
     unique_u = plan.unique_ids["u"].tolist()
-    np.testing.assert_allclose(weights.grad("u")[unique_u.index(7)].numpy(), np.full(DIM, 4.0))  # twice x 2
-    for table in ("t", "u"):  # the NumPy views the push sends: the same gradients, and fresh after
-        np.testing.assert_array_equal(weights.grad_array(table), weights.grad(table).numpy())
-    for leaf in weights.fused.values():
-        leaf.grad = None
-    assert weights.grad_array("t") is None
+    np.testing.assert_allclose(weights.grad("u")[unique_u.index(7)], np.full(DIM, 4.0))  # twice x 2
+    fused = weights.fused["rows"]
+    for table in ("t", "u"):  # views of the fused leaf's gradient, and fresh after a new backward
+        start, stop = plan.spans[table]
+        assert fused.grad is not None
+        np.testing.assert_array_equal(weights.grad(table), fused.grad[start:stop].numpy())
+    fused.grad = None
+    assert weights.grad("t") is None
     (inp.pooled * 2).sum().backward()  # a new gradient tensor: not the one seen before
-    np.testing.assert_array_equal(weights.grad_array("t"), weights.grad("t").numpy())
-    np.testing.assert_allclose(weights.grad_array("t")[unique_t.index(2)], np.full(DIM, 4.0))  # 2 + 2
+    start, stop = plan.spans["t"]
+    np.testing.assert_array_equal(weights.grad("t"), fused.grad[start:stop].numpy())
+    np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)], np.full(DIM, 4.0))  # 2 + 2
 
 
 class _CopyingConnection:
