@@ -164,7 +164,7 @@ def build_dlrm(workload: Workload) -> DLRM:
 
 def set_threads(threads: int) -> None:
     """Pin torch/numba/OpenMP threads as psrec's trainers do: the systems share 2 cores with other jobs."""
-    from psrec.ps.actors import set_thread_counts
+    from psrec.threads import set_thread_counts
 
     set_thread_counts(threads)
 

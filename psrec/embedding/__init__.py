@@ -17,7 +17,13 @@ the numba kernels once per process).
 """
 
 from psrec.embedding.hash_index import HashIndex
-from psrec.embedding.specs import AdmissionSpec, EvictionSpec, InitializerSpec, SparseOptimizerSpec
+from psrec.embedding.specs import (
+    AdmissionSpec,
+    EvictionSpec,
+    InitializerSpec,
+    SparseOptimizerSpec,
+    TableSpec,
+)
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, planned_bytes_per_row
 from psrec.embedding.warmup import warmup
@@ -30,6 +36,7 @@ __all__ = [
     "InitializerSpec",
     "SparseOptimizerSpec",
     "TableDelta",
+    "TableSpec",
     "TableState",
     "planned_bytes_per_row",
     "warmup",

@@ -206,3 +206,24 @@ class EvictionSpec:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EvictionSpec:
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """Everything that builds one `EmbeddingTable`: plain data, so it travels to a shard process.
+
+    ``initial_rows`` reserves that many rows up front (and ``populate`` backs them with memory);
+    ``seed`` fixes the initial value of every row by id.
+    """
+
+    name: str
+    dim: int
+    optimizer: SparseOptimizerSpec
+    initializer: InitializerSpec = InitializerSpec()  # noqa: B008 - frozen dataclass
+    precision: str = "fp32"
+    stochastic_rounding: bool = False
+    admission: AdmissionSpec = AdmissionSpec()  # noqa: B008
+    eviction: EvictionSpec = EvictionSpec()  # noqa: B008
+    seed: int = 0
+    initial_rows: int = 0
+    populate: bool = True

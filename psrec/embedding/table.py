@@ -52,6 +52,7 @@ from psrec.embedding.specs import (
     EvictionSpec,
     InitializerSpec,
     SparseOptimizerSpec,
+    TableSpec,
 )
 from psrec.embedding.state import TableDelta, TableState
 
@@ -82,6 +83,23 @@ def planned_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> dict[s
 
 class EmbeddingTable:
     """One embedding table (or one shard's partition of it); see the module docstring."""
+
+    @classmethod
+    def from_spec(cls, spec: TableSpec) -> EmbeddingTable:
+        """The table `spec` describes (what a shard process builds from the specs it is given)."""
+        return cls(
+            spec.name,
+            spec.dim,
+            optimizer=spec.optimizer,
+            initializer=spec.initializer,
+            precision=spec.precision,
+            stochastic_rounding=spec.stochastic_rounding,
+            admission=spec.admission,
+            eviction=spec.eviction,
+            seed=spec.seed,
+            initial_rows=spec.initial_rows,
+            populate=spec.populate,
+        )
 
     def __init__(
         self,

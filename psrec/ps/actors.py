@@ -1,6 +1,6 @@
 """Ray actors for the parameter server, and the connection the trainer-side client uses.
 
-`ShardActor` builds its tables from the run config inside its own process and wraps a
+`ShardActor` builds its tables from plain `TableSpec`s inside its own process and wraps a
 `ParameterShard`; `RayConnection` adapts an actor handle to the client's `ShardConnection`
 protocol. NumPy arrays travel zero-copy through Ray's object store (they arrive read-only).
 """
@@ -12,42 +12,54 @@ from typing import Any
 
 import numpy as np
 
+from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
+from psrec.embedding import EmbeddingTable, TableSpec, warmup
 from psrec.ps.client import Pending
 from psrec.ps.shard import ParameterShard, TableGradients
-from psrec.ps.wire import decode_gradients, encode_rows
+from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
+from psrec.ps.wire import check_precision, decode_gradients, encode_rows
+from psrec.threads import set_thread_counts
 
-
-def set_thread_counts(threads: int) -> None:
-    """Pin torch/numba/OpenMP threads: processes sharing cores must not spin-wait on each other."""
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
-    except (ImportError, ValueError):  # pragma: no cover
-        pass
+# ParameterShard's maintenance methods a driver may call through `ShardActor.call`.
+MAINTENANCE_METHODS = frozenset(
+    {
+        "stats",
+        "evict",
+        "save_snapshot",
+        "restore_snapshot",
+        "set_learning_rate",
+        "table_rows",
+        "confirm_checkpoint",
+    }
+)
 
 
 class ShardActor:
-    """One PS shard process (created with `ray.remote(ShardActor).options(...).remote(...)`)."""
+    """One PS shard process (created with `ray.remote(ShardActor).options(...).remote(...)`).
 
-    def __init__(self, shard_index: int, config: dict[str, Any], *, threads: int = 1) -> None:
+    ``num_trainers`` is the number of trainers whose pushes complete a sync step; ``wire_precision``
+    the precision of the rows it sends back (`psrec.ps.wire`).
+    """
+
+    def __init__(
+        self,
+        shard_index: int,
+        tables: list[TableSpec],
+        *,
+        num_trainers: int,
+        mode: str,
+        wire_precision: str = "fp32",
+        threads: int = 1,
+    ) -> None:
         set_thread_counts(threads)
-        from psrec.config import RunConfig
-        from psrec.embedding import warmup
-        from psrec.train.builders import build_tables, pushing_trainers
-
-        run_config = RunConfig.model_validate(config)
-        self.wire_precision = run_config.ps.wire_precision
+        check_precision(wire_precision)
+        self.wire_precision = wire_precision
         warmup()
         self.shard = ParameterShard(
             shard_index,
-            build_tables(run_config, partitions=run_config.ps.num_shards),
-            num_trainers=pushing_trainers(run_config),
-            mode=run_config.ps.mode,
+            {spec.name: EmbeddingTable.from_spec(spec) for spec in tables},
+            num_trainers=num_trainers,
+            mode=mode,
         )
 
     def pid(self) -> int:
@@ -62,49 +74,17 @@ class ShardActor:
         return self.shard.push(trainer, request_id, step, decoded)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run one of ParameterShard's maintenance methods (stats, evict, snapshots, learning rate)."""
-        if method not in {
-            "stats",
-            "evict",
-            "save_snapshot",
-            "restore_snapshot",
-            "set_learning_rate",
-            "table_rows",
-            "confirm_checkpoint",
-        }:
+        """Run one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots, learning rate)."""
+        if method not in MAINTENANCE_METHODS:
             raise ValueError(f"ShardActor.call: unknown method {method!r}")
         return getattr(self.shard, method)(*args, **kwargs)
 
-    def write_checkpoint(self, pending: Any, kind: str) -> Any:
+    def write_checkpoint(self, pending: PendingCheckpoint, kind: str) -> FileRecord:
         """Write this shard's file of a pending checkpoint (shards write in parallel)."""
         return write_shard_checkpoint(self.shard, pending, kind)
 
-    def restore(self, chain: list[Any], step: int) -> None:
+    def restore(self, chain: list[CheckpointRef], step: int) -> None:
         restore_shard(self.shard, chain, step)
-
-    def counters(self) -> dict[str, int]:
-        return {
-            "applied_step": self.shard.applied_step,
-            "pushes_applied": self.shard.pushes_applied,
-            "pushes_dropped": self.shard.pushes_dropped,
-        }
-
-
-def write_shard_checkpoint(shard: ParameterShard, pending: Any, kind: str) -> Any:
-    from psrec.train.checkpoint import write_shard
-
-    return write_shard(pending, shard.shard_index, shard.checkpoint_arrays(kind))
-
-
-def restore_shard(shard: ParameterShard, chain: list[Any], step: int) -> None:
-    """Load this shard's file of each checkpoint of `chain` (full first, then deltas) into its tables."""
-    from psrec.train.checkpoint import load_checkpoint
-
-    arrays = [
-        (ref.kind, load_checkpoint(ref, shards=[shard.shard_index], dense=False).shards[shard.shard_index])
-        for ref in chain
-    ]
-    shard.restore_arrays(arrays, step=step)
 
 
 class _RayPending:

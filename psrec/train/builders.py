@@ -12,7 +12,14 @@ import numpy as np
 import torch
 
 from psrec.config import InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
-from psrec.embedding import AdmissionSpec, EmbeddingTable, EvictionSpec, InitializerSpec, SparseOptimizerSpec
+from psrec.embedding import (
+    AdmissionSpec,
+    EmbeddingTable,
+    EvictionSpec,
+    InitializerSpec,
+    SparseOptimizerSpec,
+    TableSpec,
+)
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
@@ -26,8 +33,8 @@ def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
     return SparseOptimizerSpec(**config.model_dump())
 
 
-def build_table(name: str, config: TableConfig, *, seed: int, initial_rows: int = 0) -> EmbeddingTable:
-    return EmbeddingTable(
+def build_table_spec(name: str, config: TableConfig, *, seed: int, initial_rows: int = 0) -> TableSpec:
+    return TableSpec(
         name,
         config.dim,
         optimizer=_optimizer_spec(config.optimizer),
@@ -80,20 +87,27 @@ def _with_l2(spec: TableConfig, l2: float) -> TableConfig:
     return spec.model_copy(update={"optimizer": optimizer})
 
 
-def build_tables(config: RunConfig, *, partitions: int = 1) -> dict[str, EmbeddingTable]:
-    """One shard's tables. Every shard uses the same seeds: a row's initial value depends on its id only.
+def shard_table_specs(config: RunConfig, *, partitions: int = 1) -> list[TableSpec]:
+    """The specs of one shard's tables. Every shard uses the same seeds: a row's initial value depends
+    on its id only.
 
     A table with ``expected_rows`` reserves its share up front (1/`partitions` of the rows, +5% for
     uneven buckets), so it does not grow, and copy its arrays, while those rows arrive.
     """
     seed = config.training.seed
-    specs = table_specs(config)
-    tables = {}
-    for index, (name, spec) in enumerate(sorted(specs.items())):
+    specs = []
+    for index, (name, spec) in enumerate(sorted(table_specs(config).items())):
         expected = config.table_config(name.removesuffix(LINEAR_SUFFIX)).expected_rows or 0
         share = int(expected * 1.05 / partitions) + 1 if expected else 0
-        tables[name] = build_table(name, spec, seed=seed * 1_000_003 + index, initial_rows=share)
-    return tables
+        specs.append(build_table_spec(name, spec, seed=seed * 1_000_003 + index, initial_rows=share))
+    return specs
+
+
+def build_tables(config: RunConfig, *, partitions: int = 1) -> dict[str, EmbeddingTable]:
+    """One shard's tables (`shard_table_specs`, built)."""
+    return {
+        spec.name: EmbeddingTable.from_spec(spec) for spec in shard_table_specs(config, partitions=partitions)
+    }
 
 
 def pushing_trainers(config: RunConfig) -> int:

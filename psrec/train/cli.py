@@ -59,9 +59,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from psrec.checkpoint import CheckpointError
     from psrec.config import ConfigError, load_config
     from psrec.data.errors import BadRowError
-    from psrec.train.checkpoint import CheckpointError
 
     try:
         config = load_config(args.config, overrides=_overrides(args))

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from psrec import checkpoint
 from psrec.config import RunConfig
-from psrec.train import checkpoint
 from psrec.train.metrics import BinaryMetricAccumulator, auc, logloss, ranking_metrics
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.worker import ChunkResult
@@ -254,8 +254,7 @@ class Driver:
         """Recover only when a process died; an exception raised inside a live actor is re-raised."""
         if not _is_actor_failure(error):
             return False
-        dead_actors = getattr(self.runtime, "dead_actors", None)
-        dead = dead_actors() if dead_actors is not None else []
+        dead = self.runtime.dead_actors()
         if dead:
             logger.warning("dead: %s", ", ".join(dead))
         return bool(dead)
@@ -451,12 +450,9 @@ class Driver:
     def _recover(self, error: BaseException) -> None:
         failed_at = self.state.step
         logger.warning("actor failure at step %d (%s): recovering", failed_at, type(error).__name__)
-        recover = getattr(self.runtime, "recover", None)
-        if recover is None:
-            raise error
         start = time.perf_counter()
         chain = self._chain()
-        restored = recover(chain)
+        restored = self.runtime.recover(chain)
         self._after_restore(chain, restored)
         seconds = time.perf_counter() - start
         self.recoveries.append(

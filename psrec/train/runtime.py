@@ -1,30 +1,44 @@
 """Where the shards and trainers run: in this process (`LocalRuntime`) or as Ray actors (`RayRuntime`).
 
-Both expose the same driver-side calls, so the training loop in `psrec.train.loop` does not know
-which one it drives. The Ray runtime starts an embedded single-machine cluster on loopback when no
-address is given (never attaching to a cluster that happens to run on the host), or joins the
-cluster at `ps.address`. `shutdown()` kills every actor it started, on success, error or Ctrl-C.
+Both expose the same driver-side calls (`Runtime`), so the training loop in `psrec.train.loop` does
+not know which one it drives. What they share is written once in `RuntimeBase`, over three
+primitives each runtime provides: call a `TrainerWorker` method on every trainer, call a
+`ParameterShard` method on every table partition (a shard, or under strategy "collective" a trainer's
+local partition), and write / restore the partitions' checkpoint files. Checkpoints are therefore
+saved and restored by one routine (`RuntimeBase.save_checkpoint`, `RuntimeBase.restore`) whatever
+holds the tables.
+
+The Ray runtime starts an embedded single-machine cluster on loopback when no address is given, or
+joins the cluster at `ps.address` (`psrec.train.cluster`). `shutdown()` kills every actor it started,
+on success, error or Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from typing import Any, Protocol
 
 import numpy as np
 
-from psrec.allocator import malloc_environment
+from psrec import checkpoint
+from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
 from psrec.config import ConfigError, RunConfig
 from psrec.ps.shard import ParameterShard
-from psrec.train import builders, checkpoint
+from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
+from psrec.threads import set_thread_counts
+from psrec.train import builders
+from psrec.train.cluster import required_cpus, start_ray
 from psrec.train.worker import ChunkResult, TrainerWorker
 
 logger = logging.getLogger(__name__)
 
 
 class Runtime(Protocol):
+    """What the driver calls, at step boundaries."""
+
     def start_epoch(self, epoch: int) -> None: ...
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]: ...
@@ -45,11 +59,129 @@ class Runtime(Protocol):
 
     def dense_states(self) -> list[dict[str, Any]]: ...
 
-    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any: ...
+    def save_checkpoint(
+        self, run_dir: str, *, kind: str, parent: CheckpointRef | None, extra: dict[str, Any]
+    ) -> CheckpointRef: ...
 
-    def restore(self, chain: list[Any]) -> dict[str, Any]: ...
+    def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]: ...
+
+    def dead_actors(self) -> list[str]:
+        """Names of the processes that no longer answer (empty when nothing can die on its own)."""
+        ...
+
+    def recover(self, chain: list[CheckpointRef]) -> dict[str, Any] | None:
+        """Replace dead processes and roll back to `chain` (None: started over, nothing committed)."""
+        ...
 
     def shutdown(self) -> None: ...
+
+
+class RuntimeBase:
+    """The driver-side calls of both runtimes, over the primitives each one implements."""
+
+    config: RunConfig
+    _lr_factor: float = 1.0
+
+    # -- primitives ------------------------------------------------------------------------------
+    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
+        """Call `TrainerWorker.<method>(*arguments[i])` on trainer i, all together; their results."""
+        raise NotImplementedError
+
+    def _first_trainer(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
+        """Call `ParameterShard.<method>(*args)` on every table partition; their results in order."""
+        raise NotImplementedError
+
+    def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
+        raise NotImplementedError
+
+    def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
+        raise NotImplementedError
+
+    @property
+    def num_trainers(self) -> int:
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------------
+    def _all_trainers(self, method: str, *args: Any) -> list[Any]:
+        return self._each_trainer(method, [args] * self.num_trainers)
+
+    def start_epoch(self, epoch: int) -> None:
+        self._all_trainers("start_epoch", epoch)
+
+    def train_steps(self, max_steps: int) -> list[ChunkResult]:
+        return self._all_trainers("train_steps", max_steps)
+
+    def epoch_steps(self) -> int | None:
+        steps = self._all_trainers("epoch_steps")
+        return None if None in steps else max(steps)  # sync trainers step together
+
+    def evaluate(self, split: str) -> dict[str, np.ndarray]:
+        parts = self._all_trainers("evaluate", split)
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
+        self._lr_factor *= factor
+        if dense:
+            self._all_trainers("set_dense_learning_rate", factor)
+        specs = builders.table_specs(self.config)
+        for name, spec in specs.items():
+            self._on_partitions("set_learning_rate", spec.optimizer.lr * self._lr_factor, [name])
+
+    def save_snapshot(self, tag: str) -> None:
+        self._all_trainers("save_snapshot", tag)
+        self._on_partitions("save_snapshot", tag)
+
+    def restore_snapshot(self, tag: str) -> None:
+        self._all_trainers("restore_snapshot", tag)
+        self._on_partitions("restore_snapshot", tag)
+
+    def table_stats(self) -> dict[str, dict[str, int]]:
+        return _sum_stats(self._on_partitions("stats"))
+
+    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return _merge_rows(self._on_partitions("table_rows"))
+
+    def dense_states(self) -> list[dict[str, Any]]:
+        return self._all_trainers("dense_state")
+
+    def save_checkpoint(
+        self, run_dir: str, *, kind: str, parent: CheckpointRef | None, extra: dict[str, Any]
+    ) -> CheckpointRef:
+        """Every partition writes its own file in parallel, the first trainer's dense state and every
+        trainer's position go in, then the manifest commits it; the partitions then forget the rows
+        the checkpoint holds (their next delta starts from it)."""
+        states = self._all_trainers("checkpoint_state")
+        pending = checkpoint.begin_checkpoint(run_dir, step=int(states[0]["step"]), kind=kind)  # type: ignore[arg-type]
+        try:
+            records = self._write_partitions(pending, kind)
+            ref = checkpoint.commit_checkpoint(
+                pending,
+                shard_files=dict(enumerate(records)),
+                dense=self._first_trainer("dense_checkpoint"),
+                trainers=states,
+                extra=extra,
+                config=self.config.fingerprint_dict(),
+                bucket_map=builders.bucket_map(self.config).tolist(),
+                parent=parent,
+            )
+        except BaseException:
+            checkpoint.abort_checkpoint(pending)
+            raise
+        self._on_partitions("confirm_checkpoint")
+        return ref
+
+    def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]:
+        """Load `chain` into every partition and trainer; returns the step, the first trainer's state
+        and the driver's `extra`."""
+        data = checkpoint.load_checkpoint(chain[-1], shards=[])
+        self._restore_partitions(chain, data.step)
+        self._each_trainer("restore", [(data.dense, state) for state in data.trainers])
+        self._lr_factor = 1.0
+        self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
+        return {"step": data.step, **data.trainers[0], "extra": data.extra}
 
 
 def _sum_stats(per_shard: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
@@ -75,12 +207,10 @@ def _merge_rows(
     return merged
 
 
-class LocalRuntime:
+class LocalRuntime(RuntimeBase):
     """Shards and one trainer in this process: no Ray (debugging, unit tests, the in-process bench)."""
 
     def __init__(self, config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> None:
-        from psrec.ps.actors import set_thread_counts
-
         set_thread_counts(config.ps.trainer_resources.threads)
         self.config = config
         self.shards = [
@@ -93,178 +223,41 @@ class LocalRuntime:
             for i in range(config.ps.num_shards)
         ]
         self.trainer = TrainerWorker(
-            config.model_dump(mode="json", by_alias=True),
-            0,
-            list(self.shards),
-            base_dir=base_dir,
-            data_sources=data_sources,
+            config, 0, list(self.shards), base_dir=base_dir, data_sources=data_sources
         )
         self._lr_factor = 1.0
 
-    def start_epoch(self, epoch: int) -> None:
-        self.trainer.start_epoch(epoch)
+    @property
+    def num_trainers(self) -> int:
+        return 1
 
-    def train_steps(self, max_steps: int) -> list[ChunkResult]:
-        return [self.trainer.train_steps(max_steps)]
+    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
+        return [getattr(self.trainer, method)(*args) for args in arguments]
 
-    def epoch_steps(self) -> int | None:
-        return self.trainer.epoch_steps()
+    def _first_trainer(self, method: str, *args: Any) -> Any:
+        return getattr(self.trainer, method)(*args)
 
-    def evaluate(self, split: str) -> dict[str, np.ndarray]:
-        return self.trainer.evaluate(split)
+    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
+        return [getattr(shard, method)(*args) for shard in self.shards]
 
-    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
-        self._lr_factor *= factor
-        if dense:
-            self.trainer.set_dense_learning_rate(factor)
+    def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
+        return [write_shard_checkpoint(shard, pending, kind) for shard in self.shards]
+
+    def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
         for shard in self.shards:
-            for name, table in shard.tables.items():
-                table.set_learning_rate(_base_lr(self.config, name) * self._lr_factor)
+            restore_shard(shard, chain, step)
 
-    def save_snapshot(self, tag: str) -> None:
-        self.trainer.save_snapshot(tag)
-        for shard in self.shards:
-            shard.save_snapshot(tag)
+    def dead_actors(self) -> list[str]:
+        return []  # everything runs in this process: a failure is an exception, not a death
 
-    def restore_snapshot(self, tag: str) -> None:
-        self.trainer.restore_snapshot(tag)
-        for shard in self.shards:
-            shard.restore_snapshot(tag)
-
-    def table_stats(self) -> dict[str, dict[str, int]]:
-        return _sum_stats([shard.stats() for shard in self.shards])
-
-    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return _merge_rows([shard.table_rows() for shard in self.shards])
-
-    def dense_states(self) -> list[dict[str, Any]]:
-        return [self.trainer.dense_state()]
-
-    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any:
-        from psrec.ps.actors import write_shard_checkpoint
-
-        pending = checkpoint.begin_checkpoint(run_dir, step=self.trainer.step, kind=kind)  # type: ignore[arg-type]
-        try:
-            files = {s.shard_index: write_shard_checkpoint(s, pending, kind) for s in self.shards}
-            ref = _commit(
-                self.config,
-                pending,
-                files,
-                self.trainer.dense_checkpoint(),
-                [self.trainer.checkpoint_state()],
-                extra,
-                parent,
-            )
-        except BaseException:
-            checkpoint.abort_checkpoint(pending)
-            raise
-        for shard in self.shards:
-            shard.confirm_checkpoint()
-        return ref
-
-    def restore(self, chain: list[Any]) -> dict[str, Any]:
-        from psrec.ps.actors import restore_shard
-
-        data = checkpoint.load_checkpoint(chain[-1], shards=[])
-        for shard in self.shards:
-            restore_shard(shard, chain, data.step)
-        self.trainer.restore(data.dense, data.trainers[0])
-        self._lr_factor = 1.0
-        self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
-        return {"step": data.step, **data.trainers[0], "extra": data.extra}
+    def recover(self, chain: list[CheckpointRef]) -> dict[str, Any] | None:
+        raise RuntimeError("the in-process runtime has no processes to replace")
 
     def shutdown(self) -> None:
         self.trainer.shutdown()
 
 
-def _commit(
-    config: RunConfig,
-    pending: Any,
-    files: dict[int, Any],
-    dense: dict[str, Any],
-    trainers: list[dict[str, Any]],
-    extra: dict[str, Any],
-    parent: Any,
-) -> Any:
-    return checkpoint.commit_checkpoint(
-        pending,
-        shard_files=files,
-        dense=dense,
-        trainers=trainers,
-        extra=extra,
-        config=config.fingerprint_dict(),
-        bucket_map=builders.bucket_map(config).tolist(),
-        parent=parent,
-    )
-
-
-def _base_lr(config: RunConfig, table: str) -> float:
-    return builders.table_specs(config)[table].optimizer.lr
-
-
-def required_cpus(config: RunConfig) -> float:
-    ps = config.ps
-    shards = 0 if ps.strategy == "collective" else ps.num_shards
-    return ps.num_trainers * ps.trainer_resources.num_cpus + shards * ps.shard_resources.num_cpus
-
-
-def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
-    """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address is not None:
-        check_reachable(address)
-    kwargs: dict[str, Any] = {
-        "include_dashboard": False,
-        "log_to_driver": True,
-        "configure_logging": False,
-        # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
-        "runtime_env": {
-            "env_vars": {
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-                **malloc_environment(),
-            }
-        },
-    }
-    try:
-        if address is None:
-            # Ray starts workers at nice 15; on a shared machine the trainer then starves.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
-        else:
-            ray.init(address=address, **kwargs)
-    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
-        where = "an embedded local cluster" if address is None else f"the Ray cluster at {address!r}"
-        raise ConfigError(
-            f"ps.address: could not start or join {where}: {error}. Check the address (ray status on the "
-            "head node prints it) or leave ps.address empty to run on this machine."
-        ) from None
-
-
-def check_reachable(address: str, *, timeout: float = 5.0) -> None:
-    """Fail fast on a Ray address that does not answer (ray.init itself retries for minutes)."""
-    import socket
-
-    if address in ("auto", "local") or "://" in address:
-        return  # "auto" reads the local cluster file; client addresses are checked by ray.init
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(
-            f"ps.address {address!r}: expected HOST:PORT of the Ray head node (e.g. 10.0.0.5:6379)"
-        )
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as error:
-        raise ConfigError(
-            f"ps.address {address!r} does not answer ({error}). Is the Ray head running there "
-            "(`ray start --head` prints its address)? Leave ps.address empty to run on this machine."
-        ) from None
-
-
-class RayRuntime:
+class RayRuntime(RuntimeBase):
     """Shards and trainers as Ray actors; dense allreduce through torch.distributed among the trainers.
 
     Failure handling (`recover`): trainers are all replaced (a survivor may be blocked in an allreduce
@@ -278,14 +271,13 @@ class RayRuntime:
         from psrec.ps.actors import ShardActor
 
         self.config = config
-        if config.ps.strategy == "collective":
-            from psrec.train.builders import collective_placement
-
-            collective_placement(config, config.ps.num_trainers)  # a plan that does not fit fails here
+        # strategy "collective": no shard actors, every trainer holds a partition of the tables.
+        self.collective = config.ps.strategy == "collective"
+        if self.collective:
+            builders.collective_placement(
+                config, config.ps.num_trainers
+            )  # a plan that does not fit fails here
         self._owns_ray = not ray.is_initialized()
-        import math
-        import os
-
         # The embedded cluster offers at least the CPUs the config asks for: logical CPUs are only
         # scheduling tokens, and every process's thread count is set explicitly.
         start_ray(config.ps.address, num_cpus=max(os.cpu_count() or 1, math.ceil(required_cpus(config))))
@@ -296,16 +288,14 @@ class RayRuntime:
                 f"{config.ps.num_shards} shards x {config.ps.shard_resources.num_cpus} CPU = {required_cpus(config)} "
                 f"CPUs, but the Ray cluster has {available}: lower ps.*_resources.num_cpus or add nodes"
             )
-        self._config_dict = config.model_dump(mode="json", by_alias=True)
         self._base_dir = base_dir
         self._data_sources = data_sources
         self._lr_factor = 1.0
+        self._shard_tables = builders.shard_table_specs(config, partitions=config.ps.num_shards)
         self._shard_class = ray.remote(ShardActor)
         self._trainer_class = ray.remote(TrainerWorker)
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
-        # strategy "collective": no shard actors, every trainer holds a partition of the tables.
-        self.collective = config.ps.strategy == "collective"
         try:
             if not self.collective:
                 self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
@@ -315,9 +305,14 @@ class RayRuntime:
             raise
 
     def _start_shard(self, index: int) -> Any:
-        resources = self.config.ps.shard_resources
-        return self._shard_class.options(**_resources(resources)).remote(
-            index, self._config_dict, threads=resources.threads
+        ps = self.config.ps
+        return self._shard_class.options(**_resources(ps.shard_resources)).remote(
+            index,
+            self._shard_tables,
+            num_trainers=builders.pushing_trainers(self.config),
+            mode=ps.mode,
+            wire_precision=ps.wire_precision,
+            threads=ps.shard_resources.threads,
         )
 
     def _start_trainers(self) -> None:
@@ -326,7 +321,7 @@ class RayRuntime:
         ps = self.config.ps
         self.trainers = [
             self._trainer_class.options(**_resources(ps.trainer_resources)).remote(
-                self._config_dict, i, self.shards, base_dir=self._base_dir, data_sources=self._data_sources
+                self.config, i, self.shards, base_dir=self._base_dir, data_sources=self._data_sources
             )
             for i in range(ps.num_trainers)
         ]
@@ -336,91 +331,43 @@ class RayRuntime:
             port = ray.get(self.trainers[0].free_port.remote())
             _get([t.init_process_group.remote(address, port) for t in self.trainers])
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return _get([getattr(t, method).remote(*args) for t in self.trainers])
+    # -- primitives ------------------------------------------------------------------------------
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainers)
 
-    def _shard_refs(self, method: str, *args: Any) -> list[Any]:
-        """Call a ParameterShard method on every table partition (shard actors or trainers)."""
-        if self.collective:
-            return [t.shard_call.remote(method, *args) for t in self.trainers]
-        return [s.call.remote(method, *args) for s in self.shards]
-
-    def start_epoch(self, epoch: int) -> None:
-        self._all("start_epoch", epoch)
-
-    def train_steps(self, max_steps: int) -> list[ChunkResult]:
-        return self._all("train_steps", max_steps)
-
-    def epoch_steps(self) -> int | None:
-        steps = self._all("epoch_steps")
-        return None if None in steps else max(steps)  # sync trainers step together
-
-    def evaluate(self, split: str) -> dict[str, np.ndarray]:
-        parts = self._all("evaluate", split)
-        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
-
-    def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
-        self._lr_factor *= factor
-        if dense:
-            self._all("set_dense_learning_rate", factor)
-        calls = []
-        for name in builders.table_specs(self.config):
-            lr = _base_lr(self.config, name) * self._lr_factor
-            calls += self._shard_refs("set_learning_rate", lr, [name])
-        _get(calls)
-
-    def save_snapshot(self, tag: str) -> None:
-        _get([t.save_snapshot.remote(tag) for t in self.trainers] + self._shard_refs("save_snapshot", tag))
-
-    def restore_snapshot(self, tag: str) -> None:
-        _get(
-            [t.restore_snapshot.remote(tag) for t in self.trainers]
-            + self._shard_refs("restore_snapshot", tag)
+    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
+        return _get(
+            [getattr(t, method).remote(*args) for t, args in zip(self.trainers, arguments, strict=True)]
         )
 
-    def table_stats(self) -> dict[str, dict[str, int]]:
-        return _sum_stats(_get(self._shard_refs("stats")))
+    def _first_trainer(self, method: str, *args: Any) -> Any:
+        return _get([getattr(self.trainers[0], method).remote(*args)])[0]
 
-    def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return _merge_rows(_get(self._shard_refs("table_rows")))
-
-    def dense_states(self) -> list[dict[str, Any]]:
-        return self._all("dense_state")
-
-    def save_checkpoint(self, run_dir: str, *, kind: str, parent: Any, extra: dict[str, Any]) -> Any:
-        states = self._all("checkpoint_state")
-        pending = checkpoint.begin_checkpoint(run_dir, step=int(states[0]["step"]), kind=kind)  # type: ignore[arg-type]
-        try:
-            if self.collective:
-                records = _get([t.shard_write_checkpoint.remote(pending, kind) for t in self.trainers])
-            else:
-                records = _get([s.write_checkpoint.remote(pending, kind) for s in self.shards])
-            dense = _get([self.trainers[0].dense_checkpoint.remote()])[0]
-            ref = _commit(self.config, pending, dict(enumerate(records)), dense, states, extra, parent)
-        except BaseException:
-            checkpoint.abort_checkpoint(pending)
-            raise
-        _get(self._shard_refs("confirm_checkpoint"))
-        return ref
-
-    def restore(self, chain: list[Any]) -> dict[str, Any]:
-        data = checkpoint.load_checkpoint(chain[-1], shards=[])
+    def _partition_calls(self, method: str, *args: Any) -> list[Any]:
+        """Refs of `ShardActor.<method>` on every shard, or of the same call on each collective
+        trainer's local partition (`TrainerWorker.shard_<method>`)."""
         if self.collective:
-            _get([t.shard_restore.remote(chain, data.step) for t in self.trainers])
-        else:
-            _get([s.restore.remote(chain, data.step) for s in self.shards])
-        _get([t.restore.remote(data.dense, data.trainers[i]) for i, t in enumerate(self.trainers)])
-        self._lr_factor = 1.0
-        self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
-        return {"step": data.step, **data.trainers[0], "extra": data.extra}
+            return [getattr(t, f"shard_{method}").remote(*args) for t in self.trainers]
+        return [getattr(s, method).remote(*args) for s in self.shards]
 
+    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
+        return _get(self._partition_calls("call", method, *args))
+
+    def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
+        return _get(self._partition_calls("write_checkpoint", pending, kind))
+
+    def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
+        _get(self._partition_calls("restore", chain, step))
+
+    # -- failures --------------------------------------------------------------------------------
     def dead_actors(self) -> list[str]:
         """Names of the actors that no longer answer (a failed call may be a symptom of one of them)."""
         named = [(f"trainer {i}", a) for i, a in enumerate(self.trainers)]
         named += [(f"shard {i}", a) for i, a in enumerate(self.shards)]
         return [name for name, actor in named if not _answers(actor, timeout=5.0)]
 
-    def recover(self, chain: list[Any]) -> dict[str, Any] | None:
+    def recover(self, chain: list[CheckpointRef]) -> dict[str, Any] | None:
         """Replace dead actors and roll every shard and trainer back to `chain` (or to a fresh start)."""
         import ray
 

@@ -22,9 +22,11 @@ from psrec.config import RunConfig
 from psrec.data.background import InputGate
 from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
-from psrec.ps.actors import RayConnection, set_thread_counts
+from psrec.ps.actors import RayConnection
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
+from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
+from psrec.threads import set_thread_counts
 from psrec.train import builders
 from psrec.train.step import StepRunner
 
@@ -56,14 +58,14 @@ class TrainerWorker:
 
     def __init__(
         self,
-        config: dict[str, Any],
+        config: RunConfig,
         trainer_index: int,
         shards: list[Any],
         *,
         base_dir: str = ".",
         data_sources: dict[str, dict[str, Any]] | None = None,
     ) -> None:
-        self.config = RunConfig.model_validate(config)
+        self.config = config  # validated once by the driver; Ray pickles it to the actor
         set_thread_counts(self.config.ps.trainer_resources.threads)
         torch.manual_seed(self.config.training.seed)  # identical dense init on every trainer
         self.trainer_index = trainer_index
@@ -190,14 +192,10 @@ class TrainerWorker:
         return getattr(self.local_shard, method)(*args, **kwargs)
 
     def shard_write_checkpoint(self, pending: Any, kind: str) -> Any:
-        from psrec.ps.actors import write_shard_checkpoint
-
         assert self.local_shard is not None
         return write_shard_checkpoint(self.local_shard, pending, kind)
 
     def shard_restore(self, chain: list[Any], step: int) -> None:
-        from psrec.ps.actors import restore_shard
-
         assert self.local_shard is not None
         restore_shard(self.local_shard, chain, step)
 

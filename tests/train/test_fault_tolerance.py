@@ -89,7 +89,7 @@ def test_resume_from_disk_equals_uninterrupted(
 def test_resume_skips_a_corrupt_checkpoint_and_refuses_another_config(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
-    from psrec.train.checkpoint import ConfigMismatchError, list_checkpoints
+    from psrec.checkpoint import ConfigMismatchError, list_checkpoints
 
     settings = {"checkpoint.every_steps": 10, "training.log_every_steps": 5}
     first = train(small_run_config(synthetic_sources, tmp_path, **settings, **{"training.max_steps": 30}))

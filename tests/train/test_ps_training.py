@@ -186,7 +186,7 @@ def test_unreachable_ray_address_fails_fast() -> None:
     import socket
     import time
 
-    from psrec.train.runtime import check_reachable
+    from psrec.train.cluster import check_reachable
 
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

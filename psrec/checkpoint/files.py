@@ -1,7 +1,7 @@
 """Crash-safe file primitives for checkpoints: atomic writes, fsync, checksums, safe formats.
 
-`psrec.train.checkpoint` decides what goes into a checkpoint; this module only knows how to put bytes on
-disk so that a process killed at any instant leaves either the old file, or no file, or the complete new
+The rest of `psrec.checkpoint` decides what goes into a checkpoint; this module only knows how to put bytes
+on disk so that a process killed at any instant leaves either the old file, or no file, or the complete new
 file, never a half-written one under the final name:
 
 1. write to a temporary name in the same directory, flush, ``fsync`` the file;
@@ -11,7 +11,7 @@ file, never a half-written one under the final name:
 Formats never unpickle: arrays are NumPy ``.npz`` read with ``allow_pickle=False``; dense torch state is
 ``torch.save`` read back with ``torch.load(weights_only=True)``; small state is JSON.
 
-Nothing here is psrec-specific; the tests live in ``tests/train/test_checkpoint.py``.
+Nothing here is psrec-specific; the tests live in ``tests/checkpoint/test_store.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 TEMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
@@ -46,6 +48,14 @@ def fsync_directory(path: Path) -> None:
 def temp_name(name: str) -> str:
     """A unique temporary sibling name for ``name`` (recognisable by `TEMP_PREFIX`)."""
     return f"{TEMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def discard_directory(path: Path) -> None:
+    """Remove ``path`` atomically first (rename to a `TRASH_PREFIX` name), then delete its files."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    fsync_directory(path.parent)
+    shutil.rmtree(trash)
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync_directory: bool = True) -> None:

@@ -1,9 +1,9 @@
 """Tests for the checkpoint storage layer: round trips, delta chains, shards writing their own files,
 torn/corrupt/missing files, config mismatches, retention, and writers really killed with SIGKILL (before
 every fsync/rename of the protocol, and at random moments). The pure decisions behind restore and
-retention are tested in ``test_checkpoint_policy.py``.
+retention are tested in ``test_policy.py``.
 
-Run: ``python -m pytest tests/train/test_checkpoint.py -q``.
+Run: ``python -m pytest tests/checkpoint/test_store.py -q``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from psrec.train.checkpoint import (
-    CHECKPOINTS_DIR,
+from psrec.checkpoint import (
     CheckpointData,
     CheckpointError,
     CheckpointRef,
@@ -42,10 +41,9 @@ from psrec.train.checkpoint import (
     verify,
     write_shard,
 )
-from psrec.train.checkpoint_io import fingerprint
-from psrec.train.checkpoint_policy import (
-    Kind,
-)
+from psrec.checkpoint.files import fingerprint
+from psrec.checkpoint.format import CHECKPOINTS_DIR
+from psrec.checkpoint.policy import Kind
 
 CONFIG: dict[str, Any] = {
     "model": {"name": "dlrm", "embedding_dim": 8, "layers": [16, 8]},
@@ -53,7 +51,7 @@ CONFIG: dict[str, Any] = {
     "logging": {"every": 10},
 }
 BUCKET_MAP = {"num_buckets": 8, "owner": [0, 1, 0, 1, 0, 1, 0, 1]}
-LOGGER = "psrec.train.checkpoint"
+LOGGER = "psrec.checkpoint"
 
 
 def shard_arrays(step: int, shard_id: int, rows: int = 4) -> dict[str, np.ndarray]:

@@ -1,9 +1,9 @@
 """Tests for the pure checkpoint decisions: which chain to restore, what retention deletes, config diffs.
 
 No file system: histories are hand-made (or Hypothesis-made) `CheckpointRef` lists. The storage layer
-that calls these is tested in ``tests/train/test_checkpoint.py``.
+that calls these is tested in ``tests/checkpoint/test_store.py``.
 
-Run: ``python -m pytest tests/train/test_checkpoint_policy.py -q``.
+Run: ``python -m pytest tests/checkpoint/test_policy.py -q``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psrec.train.checkpoint_io import fingerprint
-from psrec.train.checkpoint_policy import (
+from psrec.checkpoint.files import fingerprint
+from psrec.checkpoint.policy import (
     CheckpointRef,
     Kind,
     checkpoint_chain,

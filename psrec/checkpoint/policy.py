@@ -1,11 +1,11 @@
 """Pure decisions about checkpoints: which chain to restore, what retention deletes, how configs differ.
 
-No file system here (`psrec.train.checkpoint` does the I/O and calls these), so every rule is unit-tested
+No file system here (the rest of `psrec.checkpoint` does the I/O and calls these), so every rule is unit-tested
 on hand-made `CheckpointRef` lists. A chain is ``[full, delta1, ..., deltaN]``: each delta names its
 ``parent`` (previous checkpoint) and ``base`` (the full checkpoint) by unique checkpoint id, so a stale
 delta left by an abandoned timeline never attaches to a newer checkpoint that reuses a name.
 
-Tests: ``python -m pytest tests/train/test_checkpoint.py -q``.
+Tests: ``python -m pytest tests/checkpoint/test_policy.py -q``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from psrec.train.checkpoint_io import canonical_json
+from psrec.checkpoint.files import canonical_json
 
 Kind = Literal["full", "delta"]
 
