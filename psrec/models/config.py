@@ -1,9 +1,11 @@
-"""Validated model configuration and the one explicit builder per model.
+"""Validated model configuration, and the one builder that turns a config into its model.
 
 A model config is one of the pydantic classes below, told apart by its ``name`` (a discriminated
-union, `ModelConfig`); unknown keys are rejected. The data-dependent sizes (number of dense and sparse
-features, embedding dimension) are not part of the model config: the trainer passes them to
-`build_model`, which maps each config to its model's constructor arguments::
+union, `ModelConfig`); unknown keys are rejected. Each config class declares the model class it builds
+(``module_class``) and which data-dependent sizes its constructor takes (``size_arguments``: number of
+dense and sparse features, embedding dimension); every other field except ``name`` and ``dense_init``
+is the constructor's keyword argument of the same name. The sizes are not part of the model config:
+the trainer passes them to `build_model`, which maps the config to its model's constructor arguments::
 
     config = parse_model_config({"name": "dlrm", "top_hidden_sizes": [400, 400, 400]})
     model = build_model(config, num_dense=0, num_sparse=10, embedding_dim=10)
@@ -11,11 +13,12 @@ features, embedding dimension) are not part of the model config: the trainer pas
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
 from torch import nn
 
+from psrec.models.base import ClickThroughRateModel
 from psrec.models.bst import BehaviorSequenceTransformer
 from psrec.models.dcn import DCNv2
 from psrec.models.deepfm import DeepFM
@@ -28,6 +31,10 @@ from psrec.models.wide_deep import WideAndDeep
 Activation = Literal["relu", "leaky_relu", "gelu", "tanh", "sigmoid", "prelu"]
 Dropout = Annotated[float, Field(ge=0.0, lt=1.0)]
 HiddenSizes = Annotated[list[PositiveInt], Field(min_length=1)]
+SizeArgument = Literal["num_dense", "num_sparse", "embedding_dim"]
+ALL_SIZES: tuple[SizeArgument, ...] = ("num_dense", "num_sparse", "embedding_dim")
+# Config fields that configure the build itself rather than being constructor arguments.
+BUILD_FIELDS = frozenset({"name", "dense_init"})
 
 
 class _ModelConfigBase(BaseModel):
@@ -36,17 +43,26 @@ class _ModelConfigBase(BaseModel):
     # Xavier-normal weights with zero biases, as FuxiCTR/BARS initialise theirs.
     dense_init: Literal["torch", "xavier_normal"] = "torch"
 
+    # The model class this config builds, and the sizes (passed by `build_model`) its constructor takes.
+    module_class: ClassVar[type[ClickThroughRateModel] | type[SASRec]]
+    size_arguments: ClassVar[tuple[SizeArgument, ...]] = ALL_SIZES
+
 
 class LRConfig(_ModelConfigBase):
     name: Literal["lr"] = "lr"
+    module_class = LogisticRegression
+    size_arguments = ("num_dense",)
 
 
 class FMConfig(_ModelConfigBase):
     name: Literal["fm"] = "fm"
+    module_class = FactorizationMachineModel
+    size_arguments = ("num_dense", "embedding_dim")
 
 
 class WideDeepConfig(_ModelConfigBase):
     name: Literal["wide_deep"] = "wide_deep"
+    module_class = WideAndDeep
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = False
@@ -55,6 +71,7 @@ class WideDeepConfig(_ModelConfigBase):
 
 class DeepFMConfig(_ModelConfigBase):
     name: Literal["deepfm"] = "deepfm"
+    module_class = DeepFM
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = True
@@ -63,6 +80,7 @@ class DeepFMConfig(_ModelConfigBase):
 
 class DCNv2Config(_ModelConfigBase):
     name: Literal["dcn_v2"] = "dcn_v2"
+    module_class = DCNv2
     structure: Literal["crossnet_only", "stacked", "parallel", "stacked_parallel"] = "parallel"
     num_cross_layers: PositiveInt = 4
     low_rank: PositiveInt | None = None
@@ -74,6 +92,7 @@ class DCNv2Config(_ModelConfigBase):
 
 class DLRMConfig(_ModelConfigBase):
     name: Literal["dlrm"] = "dlrm"
+    module_class = DLRM
     bottom_hidden_sizes: list[PositiveInt] = [64]  # the last bottom layer (== embedding_dim) is added
     top_hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
@@ -84,6 +103,7 @@ class DLRMConfig(_ModelConfigBase):
 
 class BSTConfig(_ModelConfigBase):
     name: Literal["bst"] = "bst"
+    module_class = BehaviorSequenceTransformer
     target_feature_index: Annotated[int, Field(ge=0)]  # which pooled feature is the target item
     sequence_name: str = "history"
     max_length: PositiveInt = 50
@@ -95,6 +115,8 @@ class BSTConfig(_ModelConfigBase):
 
 class SASRecConfig(_ModelConfigBase):
     name: Literal["sasrec"] = "sasrec"
+    module_class = SASRec
+    size_arguments = ("embedding_dim",)
     max_length: PositiveInt = 200
     num_blocks: PositiveInt = 2
     num_heads: PositiveInt = 1
@@ -114,101 +136,9 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
     return _MODEL_CONFIG_ADAPTER.validate_python(data)
 
 
-def build_lr(config: LRConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> LogisticRegression:
-    return LogisticRegression(num_dense)
-
-
-def build_fm(
-    config: FMConfig, *, num_dense: int, num_sparse: int, embedding_dim: int
-) -> FactorizationMachineModel:
-    return FactorizationMachineModel(num_dense, embedding_dim)
-
-
-def build_wide_deep(
-    config: WideDeepConfig, *, num_dense: int, num_sparse: int, embedding_dim: int
-) -> WideAndDeep:
-    return WideAndDeep(
-        num_dense,
-        num_sparse,
-        embedding_dim,
-        hidden_sizes=config.hidden_sizes,
-        activation=config.activation,
-        batch_norm=config.batch_norm,
-        dropout=config.dropout,
-    )
-
-
-def build_deepfm(config: DeepFMConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> DeepFM:
-    return DeepFM(
-        num_dense,
-        num_sparse,
-        embedding_dim,
-        hidden_sizes=config.hidden_sizes,
-        activation=config.activation,
-        batch_norm=config.batch_norm,
-        dropout=config.dropout,
-    )
-
-
-def build_dcn_v2(config: DCNv2Config, *, num_dense: int, num_sparse: int, embedding_dim: int) -> DCNv2:
-    return DCNv2(
-        num_dense,
-        num_sparse,
-        embedding_dim,
-        structure=config.structure,
-        num_cross_layers=config.num_cross_layers,
-        low_rank=config.low_rank,
-        hidden_sizes=config.hidden_sizes,
-        activation=config.activation,
-        batch_norm=config.batch_norm,
-        dropout=config.dropout,
-    )
-
-
-def build_dlrm(config: DLRMConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> DLRM:
-    return DLRM(
-        num_dense,
-        num_sparse,
-        embedding_dim,
-        bottom_hidden_sizes=config.bottom_hidden_sizes,
-        top_hidden_sizes=config.top_hidden_sizes,
-        activation=config.activation,
-        batch_norm=config.batch_norm,
-        dropout=config.dropout,
-        interaction=config.interaction,
-    )
-
-
-def build_bst(
-    config: BSTConfig, *, num_dense: int, num_sparse: int, embedding_dim: int
-) -> BehaviorSequenceTransformer:
-    return BehaviorSequenceTransformer(
-        num_dense,
-        num_sparse,
-        embedding_dim,
-        target_feature_index=config.target_feature_index,
-        sequence_name=config.sequence_name,
-        max_length=config.max_length,
-        num_blocks=config.num_blocks,
-        num_heads=config.num_heads,
-        dropout=config.dropout,
-        hidden_sizes=config.hidden_sizes,
-    )
-
-
-def build_sasrec(config: SASRecConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> SASRec:
-    return SASRec(
-        embedding_dim,
-        max_length=config.max_length,
-        num_blocks=config.num_blocks,
-        num_heads=config.num_heads,
-        dropout=config.dropout,
-    )
-
-
 def uses_linear_terms(config: ModelConfig) -> bool:
     """Whether the model `config` describes needs ``ModelInput.linear`` (without building it)."""
-    return isinstance(config, LRConfig | FMConfig | WideDeepConfig | DeepFMConfig)
+    return config.module_class.uses_linear_terms
 
 
 def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:
@@ -223,8 +153,10 @@ def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embeddi
             f"build_model: need num_dense >= 0, num_sparse >= 0, embedding_dim >= 1; "
             f"got {num_dense}, {num_sparse}, {embedding_dim}"
         )
+    if not isinstance(config, _ModelConfigBase):
+        raise TypeError(f"build_model: not a model config: {type(config).__name__}")
     sizes: dict[str, int] = {"num_dense": num_dense, "num_sparse": num_sparse, "embedding_dim": embedding_dim}
-    model = _build(config, sizes)
+    model = config.module_class(**constructor_arguments(config, sizes))
     if config.dense_init == "xavier_normal":
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -234,22 +166,8 @@ def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embeddi
     return model
 
 
-def _build(config: ModelConfig, sizes: dict[str, int]) -> nn.Module:
-    match config:
-        case LRConfig():
-            return build_lr(config, **sizes)
-        case FMConfig():
-            return build_fm(config, **sizes)
-        case WideDeepConfig():
-            return build_wide_deep(config, **sizes)
-        case DeepFMConfig():
-            return build_deepfm(config, **sizes)
-        case DCNv2Config():
-            return build_dcn_v2(config, **sizes)
-        case DLRMConfig():
-            return build_dlrm(config, **sizes)
-        case BSTConfig():
-            return build_bst(config, **sizes)
-        case SASRecConfig():
-            return build_sasrec(config, **sizes)
-    raise TypeError(f"build_model: not a model config: {type(config).__name__}")
+def constructor_arguments(config: ModelConfig, sizes: dict[str, int]) -> dict[str, Any]:
+    """The keyword arguments of ``config.module_class``: its sizes, then every non-build config field."""
+    arguments: dict[str, Any] = {name: sizes[name] for name in config.size_arguments}
+    arguments.update(config.model_dump(exclude=set(BUILD_FIELDS)))
+    return arguments

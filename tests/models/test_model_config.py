@@ -1,3 +1,6 @@
+import inspect
+import typing
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -14,7 +17,15 @@ from psrec.models import (
     build_model,
     parse_model_config,
 )
-from psrec.models.config import DCNv2Config, DLRMConfig, uses_linear_terms
+from psrec.models.config import (
+    ALL_SIZES,
+    BUILD_FIELDS,
+    DCNv2Config,
+    DLRMConfig,
+    ModelConfig,
+    constructor_arguments,
+    uses_linear_terms,
+)
 
 EXPECTED = {
     "lr": LogisticRegression,
@@ -36,6 +47,45 @@ def test_every_name_builds_its_model(name: str) -> None:
     model = build_model(parse_model_config(data), num_dense=3, num_sparse=4, embedding_dim=10)
     assert type(model) is EXPECTED[name]
     assert model.uses_linear_terms is uses_linear_terms(parse_model_config(data))
+
+
+CONFIG_CLASSES = typing.get_args(typing.get_args(ModelConfig)[0])
+
+
+@pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_config_fields_are_exactly_the_constructor_arguments(config_class: typing.Any) -> None:
+    parameters = inspect.signature(config_class.module_class).parameters
+    assert set(config_class.size_arguments) <= set(ALL_SIZES)
+    fields = set(config_class.model_fields) - BUILD_FIELDS
+    assert set(parameters) == set(config_class.size_arguments) | fields
+    assert not fields & set(ALL_SIZES)
+
+
+def test_constructor_arguments_are_the_sizes_and_fields() -> None:
+    sizes = {"num_dense": 3, "num_sparse": 4, "embedding_dim": 5}
+    assert constructor_arguments(parse_model_config({"name": "lr"}), sizes) == {"num_dense": 3}
+    assert constructor_arguments(parse_model_config({"name": "sasrec", "num_heads": 5}), sizes) == {
+        "embedding_dim": 5,
+        "max_length": 200,
+        "num_blocks": 2,
+        "num_heads": 5,
+        "dropout": 0.2,
+    }
+    assert constructor_arguments(DCNv2Config(low_rank=2, dense_init="xavier_normal"), sizes) == {
+        **sizes,
+        "structure": "parallel",
+        "num_cross_layers": 4,
+        "low_rank": 2,
+        "hidden_sizes": [400, 400, 400],
+        "activation": "relu",
+        "batch_norm": False,
+        "dropout": 0.0,
+    }
+
+
+def test_build_model_rejects_what_is_not_a_model_config() -> None:
+    with pytest.raises(TypeError, match="not a model config"):
+        build_model({"name": "lr"}, num_dense=1, num_sparse=1, embedding_dim=1)  # type: ignore[arg-type]
 
 
 def test_config_values_reach_the_model() -> None:
