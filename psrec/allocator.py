@@ -3,8 +3,9 @@
 A training step allocates and frees the same large buffers every step (activations, gradients,
 pulled rows). With glibc's defaults, blocks above the mmap threshold are mapped and unmapped each
 time and the heap top is trimmed back to the system, so every step page-faults its buffers in again;
-on the virtualised 2-core machine of docs/benchmarks-history.md (third session) that cost the
-dense-only DLRM ceiling 1.46x in samples/s (1.06M minor faults in a 20-step run; 0.38M after).
+on the virtualised 2-core machine of docs/benchmarks.md that cost the dense-only DLRM ceiling 1.46x
+in samples/s (`psrec bench --systems psrec-bf16,ceiling-bf16 --no-isolate --steps 20` under
+`/usr/bin/time`: 1.06M minor faults with glibc's defaults, 0.38M with these settings).
 PyTorch's CPU performance guides recommend the same remedy (jemalloc/tcmalloc, or these glibc
 knobs): keep freed memory in the process for reuse. `tune_malloc` sets
 
@@ -26,7 +27,7 @@ and in ``never`` mode it has no effect. Set ``PSREC_HUGE_PAGES=0`` to skip it.
 reserves rows up front (``expected_rows``) populates them when it is built: otherwise each step that
 inserts rows past a page boundary takes the page fault. On the bench's virtual machine a first
 touch of a 2 MiB huge page cost 4.5-5 ms (the hypervisor backs guest memory on first use), about
-1 ms per step in the first epoch (docs/benchmarks.md, eighth session). It uses
+1 ms per step in the first epoch (docs/benchmarks.md, "What the fast path does"). It uses
 ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14+) and falls back to writing every page.
 """
 

@@ -22,10 +22,11 @@ The in-process trainer holds its reader and planner threads back for its whole t
 lets them run only while it waits for its next batch (`InputGate.released()` around that wait, when
 no batch is ready). On two shared cores, every input thread that ran beside the step slowed it by
 more than its own work: the pull took 3.2-4.1 instead of 1.8-2.2 ms (GIL and cores shared), and
-forward, backward and the optimizer lost their cores to the reader's decode. Holding the input only
-during pull, push and the optimizer (session 5) gained 2-4%. Holding it for the whole step gained
-another 5.6-7.8% in eager bf16 and 9.3% compiled (docs/benchmarks-history-2.md, sixth session): input work
-then runs only while the trainer would wait anyway, on both cores.
+forward, backward and the optimizer lost their cores to the reader's decode. In same-process A/B
+runs on the bench's DLRM, holding the input only during pull, push and the optimizer gained 2-4%;
+holding it for the whole step gains another 5.6-7.8% in eager bf16 and 9.3% compiled: input work
+then runs only while the trainer would wait anyway, on both cores (docs/benchmarks.md lists the
+variants tried and rejected).
 """
 
 from __future__ import annotations

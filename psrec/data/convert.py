@@ -9,8 +9,9 @@ exactly the batches the raw files give. Bad rows raise or are skipped as `source
 With `prepared=True` the files hold what training makes of the rows instead (`prepare_table`: ids
 hashed to int64, dense values transformed to float32, labels float32), marked with the schema they
 were prepared for. Reading them skips decoding text and hashing: on the bench's Criteo-shaped data
-that is most of the input pipeline's work (docs/benchmarks-history-2.md, seventh session). Parquet input is
-accepted then too. Prepared files are tied to the schema: another schema refuses to read them.
+that is most of the input pipeline's work (one raw row group of 65,536 rows costs 28-34 ms to decode
+and 17-26 ms to prepare on one thread; a prepared one decodes in 7.2 ms). Parquet input is accepted
+then too. Prepared files are tied to the schema: another schema refuses to read them.
 
 Run: `psrec data convert day_0.tsv.gz day_1.tsv.gz --format criteo_tsv --out data/criteo`
 (add `--prepared` for prepared files).
