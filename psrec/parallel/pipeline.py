@@ -47,6 +47,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from psrec.models.base import ModelInput
 from psrec.models.transformer import TransformerBlock, TransformerStack, attention_allowed
+from psrec.parallel.allreduce import allreduce_mean
 
 logger = logging.getLogger(__name__)
 
@@ -441,10 +442,6 @@ class PipelineStepper:
             return
         parameters = self.stage_parameters()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.data_parallel_group)
-        flat /= self.layout.num_replicas
-        offset = 0
-        for parameter, grad in zip(parameters, grads, strict=True):
-            parameter.grad = flat[offset : offset + grad.numel()].view_as(grad).clone()
-            offset += grad.numel()
+        means = allreduce_mean(grads, self.layout.num_replicas, group=self.data_parallel_group)
+        for parameter, mean in zip(parameters, means, strict=True):
+            parameter.grad = mean.clone()

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
+from psrec.parallel.allreduce import allreduce_mean_
 from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows, PullRequest
 
 
@@ -123,19 +124,6 @@ class PhaseTimer:
         now = time.perf_counter()
         self.seconds[phase] += now - start
         return now
-
-
-def allreduce_mean_(tensors: list[torch.Tensor], world_size: int) -> None:
-    """Average tensors across the process group in one flat allreduce."""
-    if world_size == 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
-    flat /= world_size
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 class StepRunner:
