@@ -64,10 +64,10 @@ def profile_psrec(workload: Workload, sources: dict[str, Any], reps: int) -> dic
     out["plan"] = cpu_ms(lambda _: client.plan(batch), reps=reps)
     pulled = client.pull(plan)
     out["pull"] = cpu_ms(lambda _: client.pull(plan), reps=reps)
-    out["embed forward"] = cpu_ms(lambda _: client.embed(pulled, batch.dense), reps=reps)
+    out["embed forward"] = cpu_ms(lambda _: client.embed(plan, pulled, batch.dense), reps=reps)
 
     def forward(_: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inp, weights = client.embed(pulled, batch.dense)
+        inp, weights = client.embed(plan, pulled, batch.dense)
         return model.loss(inp, labels)[0], weights
 
     def forward_backward(_: int) -> dict[str, torch.Tensor]:

@@ -35,8 +35,9 @@ from psrec.parallel.collective import CollectiveConnection, collective_client
 from psrec.parallel.launch import run_local_group
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper
 from psrec.parallel.placement import Placement
-from psrec.ps.client import EmbeddingClient, LocalConnection, linear_table_name
+from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.shard import ParameterShard
+from psrec.train.lookup import BatchLookup, batch_lookup
 from psrec.train.step import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def _ctr_batches(seed: int, count: int, size: int) -> list[Batch]:
     return batches
 
 
-def _ctr_runner(client: EmbeddingClient, world_size: int) -> StepRunner:
+def _ctr_runner(client: BatchLookup, world_size: int) -> StepRunner:
     torch.manual_seed(0)
     model = DeepFM(13, NUM_TABLES, CTR_DIM, hidden_sizes=(256, 128), batch_norm=False, dropout=0.0)
     return StepRunner(model, torch.optim.Adam(model.parameters(), lr=1e-3), client, world_size=world_size)
@@ -86,7 +87,7 @@ def _run_ctr(rank: int, world_size: int, sharding: str, steps: int, batch: int) 
     features = {f"C{i + 1}": f"C{i + 1}" for i in range(NUM_TABLES)}
     if sharding == "local":
         shard = ParameterShard(0, _tables())
-        client = EmbeddingClient(
+        client = batch_lookup(
             [LocalConnection(shard)],
             np.zeros(1024, np.int64),
             table_dims={name: CTR_DIM for name in features},
@@ -108,7 +109,7 @@ def _run_ctr(rank: int, world_size: int, sharding: str, steps: int, batch: int) 
         )
         dims = {name: table.dim for name, table in shard.tables.items()}
         connection = CollectiveConnection(shard, placement, table_dims=dims)
-        client = collective_client(connection, feature_tables=features, linear_terms=True)
+        client = BatchLookup(collective_client(connection, linear_terms=True), feature_tables=features)
         per_step = _ctr_batches(rank, steps + WARMUP, batch)
     runner = _ctr_runner(client, world_size)
     batches = iter(per_step)

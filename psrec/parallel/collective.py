@@ -263,20 +263,13 @@ def lockstep_batches(batches: Iterable[Batch], connection: CollectiveConnection)
 
 
 def collective_client(
-    connection: CollectiveConnection,
-    *,
-    feature_tables: dict[str, str],
-    sequence_tables: dict[str, str] | None = None,
-    linear_terms: bool = False,
-    num_buckets: int = 1024,
+    connection: CollectiveConnection, *, linear_terms: bool = False, num_buckets: int = 1024
 ) -> EmbeddingClient:
     """The unchanged `EmbeddingClient` over one collective connection (one logical shard)."""
     return EmbeddingClient(
         [connection],
         np.zeros(num_buckets, dtype=np.int64),
         table_dims={n: d for n, d in connection.table_dims.items() if not n.endswith(LINEAR_SUFFIX)},
-        feature_tables=feature_tables,
-        sequence_tables=sequence_tables,
         linear_terms=linear_terms,
         trainer_index=connection.rank,
     )

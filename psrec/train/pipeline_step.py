@@ -7,7 +7,7 @@ replica reads data (the replica's share: shard r // S of R) and talks to the PS.
 
 1. **header**: every trainer all-gathers ``[has batch, batch size, target shape]``; the step loop
    ends when no replica has a batch (all trainers together, as in `StepRunner`);
-2. the first stage pulls the rows, builds the `ModelInput` from leaf row tensors (`client.embed`)
+2. the first stage pulls the rows, builds the `ModelInput` from leaf row tensors (`BatchLookup.embed`)
    and sends the last stage the target: the real-position mask (SASRec) or the labels (BST);
 3. the stepper streams the micro-batches through the stages and averages each stage's gradients
    over the replicas; a replica without a batch while others have one joins with zero gradients
@@ -45,7 +45,8 @@ import torch.distributed as dist
 from psrec.data.batch import Batch
 from psrec.models.base import ModelInput
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper
-from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PullRequest
+from psrec.ps.client import Pending, PullRequest
+from psrec.train.lookup import BatchLookup, LookupPlan
 from psrec.train.step import PhaseTimer, StepResult
 
 HEADER = 4  # [has batch, batch size, target ndim, sequence length (ranking targets) or 0]
@@ -65,7 +66,7 @@ class PipelineStepRunner:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        client: EmbeddingClient,
+        client: BatchLookup,
         *,
         rank: int,
         layout: PipelineLayout,
@@ -169,14 +170,14 @@ class PipelineStepRunner:
         start = time.perf_counter()
         pulled = self.client.collect_pull(current.plan, current.request)
         start = timer.add("pull", start)
-        inp, weights = self.client.embed(pulled, current.batch.dense)
+        inp, weights = self.client.embed(current.plan, pulled, current.batch.dense)
         target = _target(inp, current.batch)
         dist.send(target, dst=self.last_rank)
         start = timer.add("exchange", start)
         self.stepper.step(inp, None)
         start = timer.add("forward_backward", start)
         handles = self.client.submit_push(
-            pulled.plan, weights, step=step, scale=1.0 / self.layout.num_replicas
+            current.plan, weights, step=step, scale=1.0 / self.layout.num_replicas
         )
         ahead = None
         if self.layout.num_replicas == 1:
@@ -282,8 +283,9 @@ class PipelineStepRunner:
     def predict(self, batch: Batch) -> np.ndarray:
         """Scores of the full (synchronized) model, as `StepRunner.predict`."""
         self.model.eval()
-        pulled = self.client.pull(self.client.plan(batch), train=False)
-        inp, _ = self.client.embed(pulled, batch.dense, requires_grad=False)
+        plan = self.client.plan(batch)
+        pulled = self.client.pull(plan, train=False)
+        inp, _ = self.client.embed(plan, pulled, batch.dense, requires_grad=False)
         scores = self.model.predict(inp)  # type: ignore[operator]
         self.model.train()
         return scores.float().numpy()

@@ -1,6 +1,6 @@
 """One trainer's step: pull rows, forward, backward, push row gradients, allreduce and update the dense part.
 
-`StepRunner` is plain PyTorch + an `EmbeddingClient` (no Ray): the in-process runtime drives it
+`StepRunner` is plain PyTorch + a `BatchLookup` (no Ray): the in-process runtime drives it
 directly and the Ray trainer actor wraps it. Phase times (plan, pull, forward, backward, push,
 allreduce, optimizer) accumulate in `phase_seconds` for the profile breakdown.
 
@@ -47,7 +47,8 @@ import torch.distributed as dist
 from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
 from psrec.parallel.allreduce import allreduce_mean_
-from psrec.ps.client import EmbeddingClient, LookupPlan, Pending, PulledRows, PullRequest
+from psrec.ps.client import Pending, PulledRows, PullRequest
+from psrec.train.lookup import BatchLookup, LookupPlan
 
 
 @dataclass
@@ -84,7 +85,7 @@ class _Planner:
     def __init__(
         self,
         batches: Iterator[Batch],
-        client: EmbeddingClient,
+        client: BatchLookup,
         timer: PhaseTimer,
         position: Callable[[], Any] | None,
         gate: InputGate | None = None,
@@ -133,7 +134,7 @@ class StepRunner:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        client: EmbeddingClient,
+        client: BatchLookup,
         *,
         world_size: int = 1,
         mode: str = "sync",
@@ -243,7 +244,7 @@ class StepRunner:
                     start = time.perf_counter()
                     pulled = self.client.collect_pull(current.plan, current.request)
                     self.timer.add("pull", start)
-                    result = self._train(current.batch, pulled, step, submit_next)
+                    result = self._train(current.batch, current.plan, pulled, step, submit_next)
                     self.trained_position = current.position
                     yield result
                     step += 1
@@ -253,11 +254,16 @@ class StepRunner:
         self.flush()
 
     def _train(
-        self, batch: Batch, pulled: PulledRows, step: int, submit_next: Callable[[], None]
+        self,
+        batch: Batch,
+        plan: LookupPlan,
+        pulled: PulledRows,
+        step: int,
+        submit_next: Callable[[], None],
     ) -> StepResult:
         timer = self.timer
         start = time.perf_counter()
-        inp, weights = self.client.embed(pulled, batch.dense, pooled_dtype=self.pooled_dtype)
+        inp, weights = self.client.embed(plan, pulled, batch.dense, pooled_dtype=self.pooled_dtype)
         labels = torch.from_numpy(np.require(batch.labels, requirements="W"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
@@ -267,7 +273,7 @@ class StepRunner:
         loss.backward()
         start = timer.add("backward", start)
         barrier = self.mode == "sync" and self.world_size > 1
-        handles = self.client.submit_push(pulled.plan, weights, step=step, scale=1.0 / self.world_size)
+        handles = self.client.submit_push(plan, weights, step=step, scale=1.0 / self.world_size)
         if barrier:
             for handle in handles:  # the allreduce below is the barrier that makes the step complete
                 handle.result()
@@ -330,8 +336,11 @@ class StepRunner:
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         self.model.eval()
-        pulled = self.client.pull(self.client.plan(batch), train=False)
-        inp, _ = self.client.embed(pulled, batch.dense, requires_grad=False, pooled_dtype=self.pooled_dtype)
+        plan = self.client.plan(batch)
+        pulled = self.client.pull(plan, train=False)
+        inp, _ = self.client.embed(
+            plan, pulled, batch.dense, requires_grad=False, pooled_dtype=self.pooled_dtype
+        )
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
             scores = self.model.predict(inp)  # type: ignore[operator]
         self.model.train()

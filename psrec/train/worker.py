@@ -28,6 +28,7 @@ from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders
+from psrec.train.lookup import BatchLookup
 from psrec.train.step import StepRunner
 
 if TYPE_CHECKING:
@@ -116,8 +117,6 @@ class TrainerWorker:
                     connections,
                     builders.bucket_map(self.config),
                     table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
-                    feature_tables=builders.feature_tables(self.config),
-                    sequence_tables=builders.sequence_tables(self.config),
                     wire_precision=self.config.ps.wire_precision if not local else "fp32",
                     linear_terms=self._linear_terms(),
                     trainer_index=trainer_index // self.num_stages,
@@ -136,7 +135,11 @@ class TrainerWorker:
 
     def _build_runner(self, client: EmbeddingClient) -> None:
         training = self.config.training
-        self.client = client
+        lookup = self.client = BatchLookup(
+            client,
+            feature_tables=builders.feature_tables(self.config),
+            sequence_tables=builders.sequence_tables(self.config),
+        )
         self.runner: StepRunner | PipelineStepRunner
         pipeline = self.config.ps.pipeline
         if pipeline is not None:
@@ -146,7 +149,7 @@ class TrainerWorker:
             self.runner = PipelineStepRunner(
                 self.model,
                 self.optimizer,
-                client,
+                lookup,
                 rank=self.trainer_index,
                 layout=PipelineLayout(self.world_size, pipeline.stages),
                 n_microbatches=pipeline.microbatches,
@@ -157,7 +160,7 @@ class TrainerWorker:
         self.runner = StepRunner(
             self.model,
             self.optimizer,
-            client,
+            lookup,
             world_size=self.world_size,
             mode=self.config.ps.mode,
             staleness=self.config.ps.staleness,
@@ -178,11 +181,7 @@ class TrainerWorker:
         )
         self._build_runner(
             collective_client(
-                self._collective_connection,
-                feature_tables=builders.feature_tables(self.config),
-                sequence_tables=builders.sequence_tables(self.config),
-                linear_terms=self._linear_terms(),
-                num_buckets=num_buckets,
+                self._collective_connection, linear_terms=self._linear_terms(), num_buckets=num_buckets
             )
         )
 

@@ -14,9 +14,10 @@ from psrec.models import DeepFM
 from psrec.parallel.collective import CollectiveConnection, collective_client
 from psrec.parallel.launch import run_local_group
 from psrec.parallel.placement import Placement
-from psrec.ps.client import EmbeddingClient, LocalConnection, linear_table_name
+from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.routing import bucket_of
 from psrec.ps.shard import ParameterShard
+from psrec.train.lookup import BatchLookup, batch_lookup
 from psrec.train.step import StepRunner
 
 TABLES = ("C1", "C2", "C3")
@@ -62,7 +63,7 @@ def make_model(batch_norm: bool = False) -> torch.nn.Module:
     return DeepFM(2, len(TABLES), DIM, hidden_sizes=(8,), batch_norm=batch_norm, dropout=0.0)
 
 
-def make_runner(client: EmbeddingClient, world_size: int, batch_norm: bool = False) -> StepRunner:
+def make_runner(client: BatchLookup, world_size: int, batch_norm: bool = False) -> StepRunner:
     model = make_model(batch_norm)
     return StepRunner(model, torch.optim.Adam(model.parameters(), lr=0.01), client, world_size=world_size)
 
@@ -78,8 +79,9 @@ def train_collective(
 ) -> dict[str, Any]:
     shard = ParameterShard(rank, make_tables(), num_trainers=world_size, mode="sync")
     connection = CollectiveConnection(shard, placement_for(sharding, world_size), table_dims=table_dims())
-    client = collective_client(
-        connection, feature_tables={t: t for t in TABLES}, linear_terms=True, num_buckets=16
+    client = BatchLookup(
+        collective_client(connection, linear_terms=True, num_buckets=16),
+        feature_tables={t: t for t in TABLES},
     )
     runner = make_runner(client, world_size, batch_norm)
     losses = [r.loss for r in runner.run(iter(batches[rank]), first_step=0, max_steps=STEPS)]
@@ -93,7 +95,7 @@ def train_collective(
 
 def oracle(batches: list[list[Batch]]) -> dict[str, Any]:
     shard = ParameterShard(0, make_tables())
-    client = EmbeddingClient(
+    client = batch_lookup(
         [LocalConnection(shard)],
         np.zeros(16, dtype=np.int64),
         table_dims={t: DIM for t in TABLES},

@@ -31,6 +31,7 @@ from psrec.parallel.launch import run_local_group
 from psrec.parallel.placement import Placement
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
+from psrec.train.lookup import BatchLookup
 from psrec.train.metrics import auc
 from psrec.train.step import StepRunner
 
@@ -52,11 +53,13 @@ def train_and_score(rank: int, world_size: int, data_dir: str) -> dict[str, Any]
     )
     torch.manual_seed(config.training.seed)
     model = builders.build_model_for(config)
-    client = collective_client(
-        connection,
+    client = BatchLookup(
+        collective_client(
+            connection,
+            linear_terms=bool(getattr(model, "uses_linear_terms", False)),
+            num_buckets=config.ps.num_buckets,
+        ),
         feature_tables=builders.feature_tables(config),
-        linear_terms=bool(getattr(model, "uses_linear_terms", False)),
-        num_buckets=config.ps.num_buckets,
     )
     runner = StepRunner(
         model,

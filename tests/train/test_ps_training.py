@@ -13,9 +13,10 @@ from psrec.config import ConfigError, RunConfig, parse_config
 from psrec.data.batch import concat_batches
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
-from psrec.ps.client import EmbeddingClient, LocalConnection, linear_table_name
+from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
+from psrec.train.lookup import batch_lookup
 from psrec.train.loop import train
 from psrec.train.step import StepRunner
 from tests.conftest import small_run_config
@@ -56,7 +57,7 @@ def _oracle(config: RunConfig, sources: dict[str, Any], steps: int) -> tuple[dic
     torch.manual_seed(config.training.seed)
     shards = [ParameterShard(0, builders.build_tables(config))]
     model = builders.build_model_for(config)
-    client = EmbeddingClient(
+    client = batch_lookup(
         [LocalConnection(shards[0])],
         np.zeros(config.ps.num_buckets, dtype=np.int64),
         table_dims={n: s.dim for n, s in builders.table_specs(config).items()},

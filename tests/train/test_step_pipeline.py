@@ -15,9 +15,10 @@ from psrec.data.batch import Batch
 from psrec.data.errors import BadRowError
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
-from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.client import LocalConnection
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
+from psrec.train.lookup import batch_lookup
 from psrec.train.step import OVERLAPPED, StepRunner
 from tests.conftest import small_run_config
 
@@ -28,7 +29,7 @@ def _setup(
     torch.manual_seed(config.training.seed)
     shards = [ParameterShard(i, builders.build_tables(config)) for i in range(2)]
     model = builders.build_model_for(config)
-    client = EmbeddingClient(
+    client = batch_lookup(
         [connection(shard) for shard in shards],
         builders.bucket_map(config),
         table_dims={n: s.dim for n, s in builders.table_specs(config).items()},
@@ -79,12 +80,13 @@ def test_pipelined_steps_equal_plain_sequential_steps(
     oracle, oracle_shards = _setup(config)
     oracle_losses = []
     for step, batch in enumerate(batches):
-        pulled = oracle.client.pull(oracle.client.plan(batch), train=True)
-        inp, weights = oracle.client.embed(pulled, batch.dense)
+        plan = oracle.client.plan(batch)
+        pulled = oracle.client.pull(plan, train=True)
+        inp, weights = oracle.client.embed(plan, pulled, batch.dense)
         loss, _ = oracle.model.loss(inp, torch.from_numpy(batch.labels.copy()))  # type: ignore[operator]
         oracle.optimizer.zero_grad()
         loss.backward()
-        for handle in oracle.client.submit_push(pulled.plan, weights, step=step):
+        for handle in oracle.client.submit_push(plan, weights, step=step):
             handle.result()
         oracle.optimizer.step()
         oracle_losses.append(float(loss.detach()))

@@ -1,19 +1,18 @@
 """Pooling of single-valued features as one gather over the pulled rows, with a numba backward.
 
 When every pooled feature has exactly one id per sample (the common CTR case), the model input
-(B, F, D) is a gather of the fused rows buffer (`psrec.ps.client.LookupPlan.fused_index`, sample
+(B, F, D) is a gather of the fused rows buffer (`psrec.train.lookup.LookupPlan.fused_index`, sample
 major). PyTorch's backward of `index_select` on the CPU (`index_select_backward`: zeros, then
 `index_add_`, which expands the index to the gradient's full shape for a `scatter_add_`) measured
 6.4 ms for 106k rows of dim 64 (batch 4096 x 26 features, 1 thread); the scatter-add loop here
-does the same sums, in the same order every time (deterministic), in a fraction of that
-(`docs/benchmarks-history.md`, third session), and reads the incoming gradient in whatever
+does the same sums, in the same order every time (deterministic), in a fraction of that, and reads the incoming gradient in whatever
 strides it has (a slice of the interaction's concatenation, typically) without a copy.
 
 The forward is numba too, on one thread: the unique rows are cast first (to bfloat16, rounding to
 nearest even as PyTorch does), then gathered. PyTorch's ``to`` + ``index_select`` give the same
 bits using both threads, and the training step measured 2.9% (eager) and 7.5% (compiled) faster
 with this one: the gather only moves memory, and its second thread was taken from the input
-pipeline and the dense model sharing the two cores (`docs/benchmarks-history-2.md`, sixth session).
+pipeline and the dense model sharing the two cores (`docs/benchmarks.md`).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ import torch
 
 from psrec.data.batch import Batch, PaddedSequence, SparseBatch
 from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec
-from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.client import LocalConnection
 from psrec.ps.routing import default_bucket_map
 from psrec.ps.shard import ParameterShard
+from psrec.train.lookup import BatchLookup, batch_lookup
 
 DIM = 4
 
@@ -85,7 +86,7 @@ def _batch() -> Batch:
 def test_client_matches_plain_pytorch_embedding(num_shards: int) -> None:
     """Pooling, sequences and the SGD update through shards equal a dense nn.Embedding reference."""
     shards = make_shards(num_shards)
-    client = EmbeddingClient(
+    client = batch_lookup(
         [LocalConnection(s) for s in shards],
         default_bucket_map(16, num_shards),
         table_dims={"t": DIM},
@@ -95,7 +96,7 @@ def test_client_matches_plain_pytorch_embedding(num_shards: int) -> None:
     batch = _batch()
     plan = client.plan(batch)
     pulled = client.pull(plan)
-    inp, weights = client.embed(pulled, batch.dense)
+    inp, weights = client.embed(plan, pulled, batch.dense)
 
     # Reference: a dense table of the same rows (deterministic init: any table gives the same rows).
     all_ids = np.unique(np.concatenate([batch.sparse.ids, batch.sequences["history"].ids.reshape(-1)]))
@@ -147,7 +148,7 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     """The all-single-valued fast path (one gather over concatenated tables) equals embedding_bag."""
     tables = {"t": make_table("t"), "u": make_table("u")}
     shard = ParameterShard(0, tables)
-    client = EmbeddingClient(
+    client = batch_lookup(
         [LocalConnection(shard)],
         default_bucket_map(4, 1),
         table_dims={"t": DIM, "u": DIM},
@@ -171,7 +172,7 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
         )
         np.testing.assert_array_equal(all_unique[plan.pooled[f].inverse], sparse.feature(key)[0])
     pulled = client.pull(plan)
-    inp, weights = client.embed(pulled, batch.dense)
+    inp, weights = client.embed(plan, pulled, batch.dense)
     expected = []
     for key in ("a", "b", "c"):
         table = client.feature_tables[key]
@@ -187,13 +188,13 @@ def test_single_valued_features_pool_by_gather_like_embedding_bag() -> None:
     np.testing.assert_allclose(weights.grad("u")[unique_u.index(7)], np.full(DIM, 4.0))  # twice x 2
     fused = weights.fused["rows"]
     for table in ("t", "u"):  # views of the fused leaf's gradient, and fresh after a new backward
-        start, stop = plan.spans[table]
+        start, stop = plan.routing.spans[table]
         assert fused.grad is not None
         np.testing.assert_array_equal(weights.grad(table), fused.grad[start:stop].numpy())
     fused.grad = None
     assert weights.grad("t") is None
     (inp.pooled * 2).sum().backward()  # a new gradient tensor: not the one seen before
-    start, stop = plan.spans["t"]
+    start, stop = plan.routing.spans["t"]
     np.testing.assert_array_equal(weights.grad("t"), fused.grad[start:stop].numpy())
     np.testing.assert_allclose(weights.grad("t")[unique_t.index(2)], np.full(DIM, 4.0))  # 2 + 2
 
@@ -217,7 +218,7 @@ def test_in_process_shards_pull_into_the_fused_buffer_like_copied_replies(linear
     """Two in-process shards write their rows straight into the fused buffer's slices; the result
     (and every later step) equals that of shards whose replies are copied in."""
 
-    def client_of(connection: Any) -> tuple[EmbeddingClient, list[ParameterShard]]:
+    def client_of(connection: Any) -> tuple[BatchLookup, list[ParameterShard]]:
         shards = []
         for index in range(2):
             tables = {"t": make_table("t"), "u": make_table("u")}
@@ -225,7 +226,7 @@ def test_in_process_shards_pull_into_the_fused_buffer_like_copied_replies(linear
                 for name in ("t__linear", "u__linear"):
                     tables[name] = EmbeddingTable(name, 1, optimizer=SparseOptimizerSpec("sgd", lr=0.5))
             shards.append(ParameterShard(index, tables))
-        client = EmbeddingClient(
+        client = batch_lookup(
             [connection(shard) for shard in shards],
             default_bucket_map(8, 2),
             table_dims={"t": DIM, "u": DIM},
@@ -252,13 +253,13 @@ def test_in_process_shards_pull_into_the_fused_buffer_like_copied_replies(linear
                 (shard, name)
                 for shard in range(2)
                 for name in pulled_tables
-                if plan.routed[name.removesuffix("__linear")].ids_per_shard[shard].size
+                if plan.routing.routed[name.removesuffix("__linear")].ids_per_shard[shard].size
             }
             assert request.in_place == (expected_in_place if client is direct else set())
             pulled = client.collect_pull(plan, request)
             for name, rows in pulled.rows.items():
                 assert np.shares_memory(rows, pulled.fused["linear" if name.endswith("__linear") else "rows"])
-            inp, leaves = client.embed(pulled, batch.dense)
+            inp, leaves = client.embed(plan, pulled, batch.dense)
             loss = (inp.pooled * torch.arange(1.0, 4.0).view(1, 3, 1)).sum()
             if linear_terms:
                 assert inp.linear is not None

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from psrec.ps.pooling import gather_rows
+from psrec.train.pooling import gather_rows
 
 
 @pytest.mark.parametrize("strided", [False, True])
