@@ -10,7 +10,7 @@ One module per concern:
 - `retention`  deleting old checkpoints and torn writes
 - `policy`     the pure decisions (restore chain, retention, config differences)
 
-This package sits below `psrec.ps` and `psrec.train`: it knows arrays, state dicts and JSON, not
+This package sits below the parameter server and the trainers: it knows arrays, state dicts and JSON, not
 shards, trainers or configs. Tests: ``python -m pytest tests/checkpoint -q``.
 """
 

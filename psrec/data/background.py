@@ -1,6 +1,6 @@
 """`BackgroundIterator`: run an iterator on a thread, a bounded number of items ahead of its consumer.
 
-The reader's prefetch (`psrec.data.reader`) and the trainer's planner (`psrec.train.step`) both hand
+The reader's prefetch (`psrec.data.reader`) and the trainer's planner (in `StepRunner`) both hand
 work to a thread this way::
 
     items = BackgroundIterator(lambda: produce(), depth=2, name="psrec-prefetch")

@@ -320,14 +320,22 @@ class EmbeddingTable:
             self._storage.write(unique_rows, scratch, self._index.keys[unique_rows], step, stochastic=True)
 
     def _pulled_rows(self, ids: np.ndarray) -> np.ndarray | None:
-        """The rows of the last training pull when `ids` is that pull's array, unchanged, and every id
-        was present. Rows keep their numbers until a removal (which forgets the pull), so the
-        push that follows its pull (the trainer's step) skips the hash lookup: cache misses, after
-        forward and backward, where the digest is one sequential pass."""
+        """The rows of the last training pull (one whose ids were all present) when `ids` holds the
+        same ids in the same order. Rows keep their numbers until a removal (which forgets the pull),
+        so the push that follows its pull (the trainer's step) skips the hash lookup: cache misses,
+        after forward and backward, against two sequential passes here. The decision is by value, so a
+        push may pass any array (a copy, or one that crossed a process): `ids` must equal the pulled
+        array now, and its digest must equal the pulled ids' digest at the pull, so an array changed
+        in place since the pull is looked up."""
         last, self._last_pull = self._last_pull, None
-        if last is None or last[0] is not ids or ids_digest(ids) != last[2]:
+        if last is None:
             return None
-        return last[1]
+        pulled_ids, rows, digest = last
+        if pulled_ids.shape != ids.shape or ids_digest(ids) != digest:
+            return None
+        if pulled_ids is not ids and not np.array_equal(pulled_ids, ids):
+            return None
+        return rows
 
     def _with_untouched_rows(
         self, rows: np.ndarray, gradients: np.ndarray, gradient_rows: np.ndarray, occurrences: np.ndarray

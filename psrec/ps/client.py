@@ -10,7 +10,7 @@ For one batch's ids the client
 3. **pushes** (`submit_push`): each table's row gradients are split by shard and sent.
 
 It knows tables, ids, rows and gradients only: what a batch's features are and how rows become a
-model's input is the trainer's business (`psrec.train.lookup`). The same code serves in-process
+model's input is the trainer's business (`BatchLookup`, in the train layer). The same code serves in-process
 shards (`LocalConnection`: no Ray, no copies) and Ray actors (`psrec.ps.actors.RayConnection`).
 
     client = EmbeddingClient([LocalConnection(shard)], bucket_map, table_dims={"t": 8})

@@ -88,8 +88,9 @@ def test_a_push_after_its_pull_reuses_the_pulled_rows_and_updates_the_same_rows(
     ids = np.array([5, 9, -2, 40], dtype=np.int64)
     grads = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
     reference = make_table()
+    monkeypatch.setattr(reference, "_pulled_rows", lambda ids: None)  # every push looked up
     reference.pull(ids.copy())
-    reference.push(ids.copy(), grads, step=1)  # another array: looked up
+    reference.push(ids.copy(), grads, step=1)
     table = make_table()
     lookups = _counting_lookups(table, monkeypatch)
     table.pull(ids)
@@ -98,6 +99,32 @@ def test_a_push_after_its_pull_reuses_the_pulled_rows_and_updates_the_same_rows(
     assert_same_snapshot(snapshot(table), snapshot(reference))
     table.push(ids, grads, step=2)  # a pull is reused once
     assert lookups == [4, 4]
+
+
+def test_a_push_of_equal_ids_in_another_array_reuses_the_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reuse is decided by the ids' values: a copy (as a push that crossed a process carries)
+    reuses the pull; the same ids in another order, or fewer, are looked up."""
+    ids = np.array([5, 9, -2, 40], dtype=np.int64)
+    grads = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+    table = make_table()
+    lookups = _counting_lookups(table, monkeypatch)
+    table.pull(ids)
+    table.push(ids.copy(), grads, step=1)
+    assert lookups == [4]
+    table.pull(ids)
+    table.push(ids[::-1].copy(), grads[::-1].copy(), step=2)
+    assert lookups == [4, 4, 4]
+    table.pull(ids)
+    table.push(ids[:3].copy(), grads[:3].copy(), step=3)
+    assert lookups == [4, 4, 4, 4, 3]
+    reference = make_table()  # the same calls, every push looked up
+    monkeypatch.setattr(reference, "_pulled_rows", lambda ids: None)
+    for step, (pushed, pushed_grads) in enumerate(
+        [(ids, grads), (ids[::-1], grads[::-1]), (ids[:3], grads[:3])], start=1
+    ):
+        reference.pull(ids)
+        reference.push(np.ascontiguousarray(pushed), np.ascontiguousarray(pushed_grads), step=step)
+    assert_same_snapshot(snapshot(table), snapshot(reference))
 
 
 def test_pulled_rows_are_not_reused_for_changed_ids_or_after_a_removal(
