@@ -1,4 +1,5 @@
-"""Pure decisions about checkpoints: which chain to restore, what retention deletes, how configs differ.
+"""Pure decisions about checkpoints: which chain to restore, what retention deletes, how configs differ,
+and whether a failed run restarts from its last checkpoint (`choose_restart`).
 
 No file system here (the rest of `psrec.checkpoint` does the I/O and calls these), so every rule is unit-tested
 on hand-made `CheckpointRef` lists. A chain is ``[full, delta1, ..., deltaN]``: each delta names its
@@ -189,3 +190,46 @@ def choose_retention(
         if checkpoint_order(ref) < checkpoint_order(oldest) and ref.checkpoint_id not in pinned
     ]
     return RetentionDecision(delete=delete, keep_from_step=oldest.step)
+
+
+# ------------------------------------------------------------------------------- restarts (pure)
+
+RestartReason = Literal["actor died", "not an actor failure", "no actor died", "max restarts reached"]
+
+
+@dataclass(frozen=True)
+class RestartDecision:
+    """Whether a failed run rolls back to its last checkpoint and goes on (`recover`), and why."""
+
+    recover: bool
+    reason: RestartReason
+    detail: str  # the reason in a sentence, for the log
+
+
+def choose_restart(
+    *, actor_failure: bool, dead_actors: Sequence[str], restarts: int, max_restarts: int
+) -> RestartDecision:
+    """Recover from a failure only when a process died, at most ``max_restarts`` times in a run.
+
+    ``actor_failure``: the error came from the actor system (the caller's test, e.g. Ray's
+    ``RayError``), not from code raising inside a live process; ``dead_actors``: names of the
+    processes that no longer answer; ``restarts``: recoveries so far. An exception raised inside a
+    live process (a bug or bad data) is re-raised: replaying the steps would fail the same way.
+    """
+    if not actor_failure:
+        return RestartDecision(
+            False, "not an actor failure", "raised inside a live process: replaying would fail the same way"
+        )
+    if not dead_actors:
+        return RestartDecision(False, "no actor died", "an actor call failed, but every actor still answers")
+    if restarts >= max_restarts:
+        return RestartDecision(
+            False,
+            "max restarts reached",
+            f"giving up after {restarts} restarts (fault_tolerance.max_restarts)",
+        )
+    return RestartDecision(
+        True,
+        "actor died",
+        f"dead: {', '.join(dead_actors)}; restart {restarts + 1} of at most {max_restarts}",
+    )

@@ -1,4 +1,5 @@
-"""Tests for the pure checkpoint decisions: which chain to restore, what retention deletes, config diffs.
+"""Tests for the pure checkpoint decisions: which chain to restore, what retention deletes, config diffs,
+whether a failed run restarts.
 
 No file system: histories are hand-made (or Hypothesis-made) `CheckpointRef` lists. The storage layer
 that calls these is tested in ``tests/checkpoint/test_store.py``.
@@ -19,7 +20,9 @@ from psrec.checkpoint.files import fingerprint
 from psrec.checkpoint.policy import (
     CheckpointRef,
     Kind,
+    RestartDecision,
     checkpoint_chain,
+    choose_restart,
     choose_restore_chain,
     choose_retention,
     diff_configs,
@@ -186,3 +189,38 @@ def test_retention_never_changes_what_would_be_restored(
         if not isinstance(c := checkpoint_chain(r, remaining), str) and not any(problem_of(m) for m in c)
     }
     assert len(kept_roots) >= min(keep_last, len(roots))
+
+
+# ------------------------------------------------------------------------------------------ restarts
+
+
+def test_choose_restart_recovers_when_an_actor_died() -> None:
+    decision = choose_restart(actor_failure=True, dead_actors=["shard 1"], restarts=0, max_restarts=3)
+    assert decision == RestartDecision(True, "actor died", "dead: shard 1; restart 1 of at most 3")
+    last = choose_restart(
+        actor_failure=True, dead_actors=["trainer 0", "shard 1"], restarts=2, max_restarts=3
+    )
+    assert last.recover and last.detail == "dead: trainer 0, shard 1; restart 3 of at most 3"
+
+
+def test_choose_restart_reraises_an_error_of_a_live_process() -> None:
+    # A bug or bad data: not an actor failure, whatever the actors' state and the restarts left.
+    for dead in ([], ["trainer 0"]):
+        decision = choose_restart(actor_failure=False, dead_actors=dead, restarts=0, max_restarts=3)
+        assert not decision.recover and decision.reason == "not an actor failure"
+    # An actor failure (e.g. an exception raised inside an actor) while every actor still answers.
+    alive = choose_restart(actor_failure=True, dead_actors=[], restarts=0, max_restarts=3)
+    assert not alive.recover and alive.reason == "no actor died"
+
+
+def test_choose_restart_gives_up_after_max_restarts() -> None:
+    decision = choose_restart(actor_failure=True, dead_actors=["shard 0"], restarts=3, max_restarts=3)
+    assert decision == RestartDecision(
+        False, "max restarts reached", "giving up after 3 restarts (fault_tolerance.max_restarts)"
+    )
+    never = choose_restart(actor_failure=True, dead_actors=["shard 0"], restarts=0, max_restarts=0)
+    assert not never.recover and never.reason == "max restarts reached"
+    # The checks run in order: an error of a live process is re-raised as such, even with no restarts left.
+    assert choose_restart(actor_failure=False, dead_actors=[], restarts=5, max_restarts=3).reason == (
+        "not an actor failure"
+    )
