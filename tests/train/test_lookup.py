@@ -1,4 +1,4 @@
-"""The PS protocol without Ray: shard sync/async/idempotence and the client against plain PyTorch."""
+"""A batch's embeddings through the PS client (plan, pull, model input, push) against plain PyTorch."""
 
 from typing import Any
 
@@ -30,37 +30,6 @@ def make_shards(num_shards: int, *, num_trainers: int = 1, mode: str = "sync") -
         ParameterShard(i, {"t": make_table()}, num_trainers=num_trainers, mode=mode)
         for i in range(num_shards)
     ]
-
-
-def test_sync_shard_applies_a_step_once_all_trainers_pushed() -> None:
-    (shard,) = make_shards(1, num_trainers=2)
-    ids = np.array([1, 2], dtype=np.int64)
-    before = shard.pull({"t": ids})["t"].copy()
-    grads = np.ones((2, DIM), dtype=np.float32)
-    assert shard.push(0, 0, 0, {"t": (ids, grads)})
-    np.testing.assert_array_equal(shard.pull({"t": ids})["t"], before)  # buffered, not applied
-    assert shard.push(1, 0, 0, {"t": (ids[:1], grads[:1])})
-    after = shard.pull({"t": ids})["t"]
-    np.testing.assert_allclose(after, before - 0.5 * np.array([[2.0] * DIM, [1.0] * DIM]), rtol=1e-6)
-    assert shard.applied_step == 0
-
-
-def test_push_retry_is_applied_once() -> None:
-    (shard,) = make_shards(1, mode="async")
-    ids = np.array([5], dtype=np.int64)
-    before = shard.pull({"t": ids})["t"].copy()
-    grads = np.ones((1, DIM), dtype=np.float32)
-    assert shard.push(0, 7, 7, {"t": (ids, grads)})
-    assert not shard.push(0, 7, 7, {"t": (ids, grads)})  # retried after a "crash"
-    np.testing.assert_allclose(shard.pull({"t": ids})["t"], before - 0.5, rtol=1e-6)
-    assert shard.pushes_dropped == 1
-
-
-def test_unknown_table_is_a_clear_error_and_changes_nothing() -> None:
-    (shard,) = make_shards(1)
-    with pytest.raises(KeyError, match="no table 'nope'"):
-        shard.push(0, 0, 0, {"nope": (np.array([1]), np.ones((1, DIM), np.float32))})
-    assert shard.last_request == {}
 
 
 def _batch() -> Batch:

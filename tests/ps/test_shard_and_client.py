@@ -1,0 +1,110 @@
+"""The PS protocol without Ray: a shard's sync/async steps and idempotence, and the arrays-only client
+(route -> pull -> push over 1-3 shards) against a NumPy oracle."""
+
+import numpy as np
+import pytest
+
+from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec
+from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.ps.routing import bucket_of, default_bucket_map
+from psrec.ps.shard import ParameterShard
+
+DIM = 4
+
+
+def make_table(name: str = "t", lr: float = 0.5) -> EmbeddingTable:
+    return EmbeddingTable(
+        name,
+        DIM,
+        optimizer=SparseOptimizerSpec("sgd", lr=lr),
+        initializer=InitializerSpec("uniform", scale=0.1),
+    )
+
+
+def make_shards(num_shards: int, *, num_trainers: int = 1, mode: str = "sync") -> list[ParameterShard]:
+    return [
+        ParameterShard(i, {"t": make_table(), "u": make_table("u")}, num_trainers=num_trainers, mode=mode)
+        for i in range(num_shards)
+    ]
+
+
+def test_sync_shard_applies_a_step_once_all_trainers_pushed() -> None:
+    (shard,) = make_shards(1, num_trainers=2)
+    ids = np.array([1, 2], dtype=np.int64)
+    before = shard.pull({"t": ids})["t"].copy()
+    grads = np.ones((2, DIM), dtype=np.float32)
+    assert shard.push(0, 0, 0, {"t": (ids, grads)})
+    np.testing.assert_array_equal(shard.pull({"t": ids})["t"], before)  # buffered, not applied
+    assert shard.push(1, 0, 0, {"t": (ids[:1], grads[:1])})
+    after = shard.pull({"t": ids})["t"]
+    np.testing.assert_allclose(after, before - 0.5 * np.array([[2.0] * DIM, [1.0] * DIM]), rtol=1e-6)
+    assert shard.applied_step == 0
+
+
+def test_push_retry_is_applied_once() -> None:
+    (shard,) = make_shards(1, mode="async")
+    ids = np.array([5], dtype=np.int64)
+    before = shard.pull({"t": ids})["t"].copy()
+    grads = np.ones((1, DIM), dtype=np.float32)
+    assert shard.push(0, 7, 7, {"t": (ids, grads)})
+    assert not shard.push(0, 7, 7, {"t": (ids, grads)})  # retried after a "crash"
+    np.testing.assert_allclose(shard.pull({"t": ids})["t"], before - 0.5, rtol=1e-6)
+    assert shard.pushes_dropped == 1
+
+
+def test_unknown_table_is_a_clear_error_and_changes_nothing() -> None:
+    (shard,) = make_shards(1)
+    with pytest.raises(KeyError, match="no table 'nope'"):
+        shard.push(0, 0, 0, {"nope": (np.array([1]), np.ones((1, DIM), np.float32))})
+    assert shard.last_request == {}
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_client_routes_pulls_and_pushes_arrays_like_one_table(num_shards: int) -> None:
+    """Two tables' ids (with repeats) routed to their shards, pulled back in order, and pushed: the
+    rows and the update equal one unsharded table's (SGD: row -= lr * summed gradient)."""
+    shards = make_shards(num_shards)
+    bucket_map = default_bucket_map(16, num_shards)
+    client = EmbeddingClient(
+        [LocalConnection(s) for s in shards], bucket_map, table_dims={"t": DIM, "u": DIM}
+    )
+    rng = np.random.default_rng(0)
+    ids = {"t": rng.integers(-50, 50, 40), "u": rng.integers(0, 10, 25)}
+    all_ids = np.concatenate([ids["t"], ids["u"]]).astype(np.int64)
+    table_starts = np.array([0, 40, 65], dtype=np.int64)
+    routing, inverse, starts = client.route(all_ids, table_starts=table_starts, tables=["t", "u"])
+    oracle = {name: make_table(name) for name in ("t", "u")}
+    for t, name in enumerate(("t", "u")):
+        unique = routing.unique_ids[name]
+        assert sorted(unique.tolist()) == sorted(set(ids[name].tolist()))
+        owners = bucket_map[bucket_of(unique, 16)]
+        assert (np.diff(owners) >= 0).all()  # grouped by owning shard
+        positions = inverse[table_starts[t] : table_starts[t + 1]] - starts[t]  # into the table's own
+        np.testing.assert_array_equal(unique[positions], ids[name])
+    pulled = client.pull(routing)
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(pulled.rows[name], oracle[name].pull(routing.unique_ids[name]))
+    grads = {
+        name: rng.normal(size=(routing.unique_ids[name].size, DIM)).astype(np.float32) for name in ("t", "u")
+    }
+    client.push(routing, grads.get, step=0, scale=0.5)
+    for name in ("t", "u"):
+        oracle[name].push(routing.unique_ids[name], grads[name] * np.float32(0.5), step=0)
+        after = client.pull(routing, train=False).rows[name]
+        np.testing.assert_allclose(after, oracle[name].pull(routing.unique_ids[name], train=False), rtol=1e-6)
+    assert client.bytes_pulled > 0 and client.bytes_pushed > 0
+
+
+def test_a_table_without_gradients_pushes_zeros_and_every_shard_gets_the_push() -> None:
+    shards = make_shards(2, num_trainers=1)
+    client = EmbeddingClient(
+        [LocalConnection(s) for s in shards], default_bucket_map(8, 2), table_dims={"t": DIM, "u": DIM}
+    )
+    ids = np.arange(10, dtype=np.int64)
+    routing, _, _ = client.route(ids, table_starts=np.array([0, 10], dtype=np.int64), tables=["t"])
+    before = client.pull(routing).rows["t"].copy()
+    client.push(routing, lambda name: None, step=0)
+    np.testing.assert_array_equal(client.pull(routing, train=False).rows["t"], before)
+    assert [s.applied_step for s in shards] == [0, 0]
+    client.push(routing, lambda name: None, step=0)  # a retry of the same step: dropped everywhere
+    assert [s.pushes_dropped for s in shards] == [1, 1]
