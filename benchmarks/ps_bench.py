@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from psrec.config import load_config
+from psrec.train.cluster import start_ray
 from psrec.train.loop import train
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -39,13 +40,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
+    start_ray(None, num_cpus=4)
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGS}
     with tempfile.TemporaryDirectory() as tmp:
         for round_index in range(args.rounds):

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from psrec.config import load_config
-from psrec.train.loop import prepare_data, train
+from psrec.train.cluster import start_ray
+from psrec.train.data_sources import prepare_data
+from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
 
 
@@ -33,13 +35,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
+    start_ray(None, num_cpus=4)
     with tempfile.TemporaryDirectory() as tmp:
         for victim in ("trainer", "shard"):
             config = load_config(
