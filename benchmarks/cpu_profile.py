@@ -38,14 +38,14 @@ def cpu_ms(fn: Callable[[int], Any], *, reps: int = 5, warmup: int = 1) -> float
 def profile_psrec(workload: Workload, sources: dict[str, Any], reps: int) -> dict[str, float]:
     import tempfile
 
-    from psrec.bench.psrec_systems import bench_config
+    from psrec.bench.psrec_systems import PsrecLayout, bench_config
     from psrec.config import parse_config
     from psrec.data.reader import open_reader
     from psrec.data.schema import DataSource
     from psrec.train.runtime import LocalRuntime
 
     with tempfile.TemporaryDirectory(prefix="psrec-cpu-profile-") as tmp:
-        config = parse_config(bench_config(workload, f"{tmp}/run", runtime="local", trainer_threads=1))
+        config = parse_config(bench_config(workload, f"{tmp}/run", PsrecLayout("local", trainer_threads=1)))
         runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
     reader = open_reader(
         DataSource.model_validate(sources["train"]), config.feature_schema(), batch_size=workload.batch_size

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from psrec.bench import psrec_systems, torch_systems
+from psrec.bench.psrec_systems import PsrecLayout, PsrecOptions
 from psrec.bench.workload import Workload, prepare_sources
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,11 @@ class System:
     ceiling: str = CEILING
 
 
-def _in_process(name: str, label: str, ceiling: str = CEILING, **options: Any) -> System:
-    """A psrec system on the in-process runtime with 1 local shard; `options` go to `run_psrec`."""
-    run = partial(psrec_systems.run_psrec, runtime="local", num_shards=1, **options)
+def _in_process(
+    name: str, label: str, ceiling: str = CEILING, *, options: PsrecOptions | None = None
+) -> System:
+    """A psrec system on the in-process runtime with 1 local shard, trained with `options`."""
+    run = partial(psrec_systems.run_psrec, layout=PsrecLayout("local", num_shards=1), options=options)
     return System(name, label, run, ceiling=ceiling)
 
 
@@ -61,57 +64,59 @@ _SYSTEMS = [
     System("torchrec", "(b) TorchRec fused EBC, row-wise Adagrad", torch_systems.run_torchrec),
     _in_process("psrec", "(c) psrec in-process (1 local shard)"),
     System(
-        "psrec-ray", "(d) psrec Ray 1 trainer + 2 shards", partial(psrec_systems.run_psrec, runtime="ray")
+        "psrec-ray",
+        "(d) psrec Ray 1 trainer + 2 shards",
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray")),
     ),
-    _in_process("psrec-bf16", "(c) psrec in-process, bf16 dense", "ceiling-bf16", dense_precision="bf16"),
+    _in_process(
+        "psrec-bf16",
+        "(c) psrec in-process, bf16 dense",
+        "ceiling-bf16",
+        options=PsrecOptions(dense_precision="bf16"),
+    ),
     _in_process(
         "psrec-bf16-compile",
         "(c) psrec in-process, bf16 dense, torch.compile",
         "ceiling-bf16-compile",
-        dense_precision="bf16",
-        compile_model=True,
+        options=PsrecOptions(dense_precision="bf16", compile_model=True),
     ),
     _in_process(
         "psrec-bf16-cached",
         "(c) psrec in-process, bf16 dense, rows in memory (cache_data, epoch 2)",
         "ceiling-bf16",
-        dense_precision="bf16",
-        cache_data=True,
+        options=PsrecOptions(dense_precision="bf16", cache_data=True),
     ),
     _in_process(
         "psrec-bf16-compile-cached",
         "(c) psrec in-process, bf16 dense, torch.compile, rows in memory (cache_data, epoch 2)",
         "ceiling-bf16-compile",
-        dense_precision="bf16",
-        compile_model=True,
-        cache_data=True,
+        options=PsrecOptions(dense_precision="bf16", compile_model=True, cache_data=True),
     ),
     _in_process(
-        "psrec-cached", "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)", cache_data=True
+        "psrec-cached",
+        "(c) psrec in-process fp32, rows in memory (cache_data, epoch 2)",
+        options=PsrecOptions(cache_data=True),
     ),
     _in_process(
         "psrec-bf16-prepared",
         "(c) psrec in-process, bf16 dense, prepared Parquet (psrec data convert --prepared)",
         "ceiling-bf16",
-        dense_precision="bf16",
-        prepared=True,
+        options=PsrecOptions(dense_precision="bf16", prepared=True),
     ),
     _in_process(
         "psrec-bf16-compile-prepared",
         "(c) psrec in-process, bf16 dense, torch.compile, prepared Parquet",
         "ceiling-bf16-compile",
-        dense_precision="bf16",
-        compile_model=True,
-        prepared=True,
+        options=PsrecOptions(dense_precision="bf16", compile_model=True, prepared=True),
     ),
-    _in_process("psrec-prepared", "(c) psrec in-process fp32, prepared Parquet", prepared=True),
+    _in_process(
+        "psrec-prepared", "(c) psrec in-process fp32, prepared Parquet", options=PsrecOptions(prepared=True)
+    ),
     _in_process(
         "psrec-bf16-prepared-lazy",
         "(c) psrec-bf16-prepared with populate: false (reserved rows backed as they are first written)",
         "ceiling-bf16",
-        dense_precision="bf16",
-        prepared=True,
-        populate=False,
+        options=PsrecOptions(dense_precision="bf16", prepared=True, populate=False),
     ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
@@ -130,22 +135,22 @@ _SYSTEMS = [
     System(
         "psrec-ray-1x1",
         "psrec Ray 1 trainer + 1 shard",
-        partial(psrec_systems.run_psrec, runtime="ray", num_shards=1),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", num_shards=1)),
     ),
     System(
         "psrec-ray-2x2",
         "psrec Ray 2 trainers + 2 shards",
-        partial(psrec_systems.run_psrec, runtime="ray", num_trainers=2, trainer_threads=1),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", num_trainers=2, trainer_threads=1)),
     ),
     System(
         "psrec-ray-t1",
         "psrec Ray 1x2, trainer 1 thread",
-        partial(psrec_systems.run_psrec, runtime="ray", trainer_threads=1),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", trainer_threads=1)),
     ),
     System(
         "psrec-ray-passive",
         "psrec Ray 1x2, OMP_WAIT_POLICY=PASSIVE",
-        partial(psrec_systems.run_psrec, runtime="ray", omp_passive=True),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", omp_passive=True)),
     ),
     System(
         "pytorch-passive",
@@ -156,32 +161,40 @@ _SYSTEMS = [
     System(
         "psrec-passive",
         "psrec in-process, OMP_WAIT_POLICY=PASSIVE",
-        partial(psrec_systems.run_psrec, runtime="local", num_shards=1),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("local", num_shards=1)),
         env=tuple(PASSIVE.items()),
     ),
     System(
         "psrec-ray-fp16",
         "psrec Ray 1x2, fp16 wire (ps.wire_precision)",
-        partial(psrec_systems.run_psrec, runtime="ray", wire_precision="fp16"),
+        partial(
+            psrec_systems.run_psrec, layout=PsrecLayout("ray"), options=PsrecOptions(wire_precision="fp16")
+        ),
     ),
     _in_process(
-        "psrec-fp16rows", "psrec in-process, fp16 table rows (precision: fp16)", row_precision="fp16"
+        "psrec-fp16rows",
+        "psrec in-process, fp16 table rows (precision: fp16)",
+        options=PsrecOptions(row_precision="fp16"),
     ),
     _in_process(
-        "psrec-int8rows", "psrec in-process, int8 table rows (precision: int8)", row_precision="int8"
+        "psrec-int8rows",
+        "psrec in-process, int8 table rows (precision: int8)",
+        options=PsrecOptions(row_precision="int8"),
     ),
     System(
         "psrec-bf16-grow",
         "psrec in-process bf16, no expected_rows (tables grow as rows arrive)",
         partial(
-            psrec_systems.run_psrec, runtime="local", num_shards=1, dense_precision="bf16", reserve=False
+            psrec_systems.run_psrec,
+            layout=PsrecLayout("local", num_shards=1),
+            options=PsrecOptions(dense_precision="bf16", reserve=False),
         ),
         ceiling="ceiling-bf16",
     ),
     System(
         "psrec-t1",
         "psrec in-process, 1 thread",
-        partial(psrec_systems.run_psrec, runtime="local", num_shards=1, trainer_threads=1),
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("local", num_shards=1, trainer_threads=1)),
     ),
 ]
 SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}

@@ -23,6 +23,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +44,56 @@ logger = logging.getLogger(__name__)
 ACTOR_NAMES = ("ray::ShardActor", "ray::TrainerWorker")
 
 
-def bench_config(
-    workload: Workload,
-    run_dir: str,
-    *,
-    runtime: str,
-    num_trainers: int = 1,
-    num_shards: int = 2,
-    trainer_threads: int | None = None,
-    shard_threads: int = 1,
-    dense_precision: str = "fp32",
-    compile_model: bool = False,
-    wire_precision: str = "fp32",
-    reserve: bool = True,
-    cache_data: bool = False,
-    row_precision: str = "fp32",
-    prepared: bool = False,
-    populate: bool = True,
-) -> dict[str, Any]:
-    """The psrec run config (a plain dict for `parse_config`) of this workload.
+@dataclass(frozen=True)
+class PsrecLayout:
+    """Where a psrec bench system runs: the runtime ("local" or "ray"), its processes and threads."""
+
+    runtime: str = "local"
+    _: KW_ONLY
+    num_trainers: int = 1
+    num_shards: int = 2
+    trainer_threads: int | None = None  # None: the workload's thread count
+    shard_threads: int = 1
+    omp_passive: bool = False  # Ray runs only: the actors get OMP_WAIT_POLICY=PASSIVE
+
+
+@dataclass(frozen=True, kw_only=True)
+class PsrecOptions:
+    """What a psrec bench system trains with: precisions, compile, table reservation, data reading.
 
     With `cache_data`, a first (untimed) epoch reads the data into `training.cache_data`'s cache and
     the warm-up + timed steps follow in the second epoch. With `prepared`, psrec reads the data as
-    `psrec data convert --prepared` writes it (ids hashed, dense values transformed; written untimed)."""
+    `psrec data convert --prepared` writes it (ids hashed, dense values transformed; written untimed).
+    Without `reserve`, the tables get no `expected_rows` and grow as rows arrive; `populate` backs
+    the reserved rows up front.
+    """
+
+    dense_precision: str = "fp32"
+    compile_model: bool = False
+    wire_precision: str = "fp32"
+    row_precision: str = "fp32"
+    reserve: bool = True
+    populate: bool = True
+    cache_data: bool = False
+    prepared: bool = False
+
+
+def bench_config(
+    workload: Workload, run_dir: str, layout: PsrecLayout, options: PsrecOptions | None = None
+) -> dict[str, Any]:
+    """The psrec run config (a plain dict for `parse_config`) of this workload (see `PsrecOptions`)."""
+    options = options or PsrecOptions()
     chunk = max(1, workload.warmup_steps)
     timed_chunks = -(-workload.steps // chunk)
     steps = chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps
-    first_epoch = epoch_steps(workload) if cache_data else 0
-    trainer_threads = trainer_threads or workload.threads
+    first_epoch = epoch_steps(workload) if options.cache_data else 0
+    trainer_threads = layout.trainer_threads or workload.threads
     table = {
         "dim": workload.dim,
         "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
         "initializer": {"kind": "uniform", "scale": workload.init_scale},
-        "precision": row_precision,
-        "populate": populate,
+        "precision": options.row_precision,
+        "populate": options.populate,
     }
     # The fixed-size systems allocate exactly these rows up front; psrec gets the same sizes as a
     # hint (`expected_rows`: shards reserve their share), its tables still grow past them if needed.
@@ -85,12 +102,12 @@ def bench_config(
             name: {**table, "expected_rows": rows}
             for name, rows in zip(CRITEO_SPARSE, workload.table_sizes(), strict=True)
         }
-        if reserve
+        if options.reserve
         else {}
     )
     return {
         "run_dir": run_dir,
-        "data": {"synthetic": {**synthetic_config(workload), "prepared": prepared}},
+        "data": {"synthetic": {**synthetic_config(workload), "prepared": options.prepared}},
         "model": {
             "name": "dlrm",
             "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
@@ -100,22 +117,22 @@ def bench_config(
         "training": {
             "batch_size": workload.batch_size,
             "max_steps": first_epoch + steps,
-            "epochs": 2 if cache_data else 1,
-            "cache_data": cache_data,
+            "epochs": 2 if options.cache_data else 1,
+            "cache_data": options.cache_data,
             "log_every_steps": chunk,
             "dense_optimizer": {"name": "adam", "lr": workload.dense_lr},
-            "dense_precision": dense_precision,
-            "compile": compile_model,
+            "dense_precision": options.dense_precision,
+            "compile": options.compile_model,
             "seed": workload.seed,
         },
         "ps": {
-            "runtime": runtime,
-            "num_trainers": num_trainers,
-            "num_shards": num_shards,
+            "runtime": layout.runtime,
+            "num_trainers": layout.num_trainers,
+            "num_shards": layout.num_shards,
             "mode": "sync",
-            "wire_precision": wire_precision,
+            "wire_precision": options.wire_precision,
             "trainer_resources": {"num_cpus": 1, "threads": trainer_threads},
-            "shard_resources": {"num_cpus": 0.5, "threads": shard_threads},
+            "shard_resources": {"num_cpus": 0.5, "threads": layout.shard_threads},
         },
         "checkpoint": {"enabled": False},
     }
@@ -212,27 +229,21 @@ def run_psrec(
     workload: Workload,
     sources: dict[str, Any],
     *,
-    runtime: str = "local",
-    num_trainers: int = 1,
-    num_shards: int = 2,
-    trainer_threads: int | None = None,
-    shard_threads: int = 1,
-    omp_passive: bool = False,
-    dense_precision: str = "fp32",
-    compile_model: bool = False,
-    wire_precision: str = "fp32",
-    reserve: bool = True,
-    cache_data: bool = False,
-    row_precision: str = "fp32",
-    prepared: bool = False,
-    populate: bool = True,
+    layout: PsrecLayout | None = None,
+    options: PsrecOptions | None = None,
 ) -> dict[str, Any]:
-    """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile."""
+    """Train the workload with psrec's `train()`; returns the bench result plus psrec's profile.
+
+    Defaults: the in-process runtime with 2 shards (`PsrecLayout()`), fp32 throughout (`PsrecOptions()`).
+    """
     from psrec.config import parse_config
     from psrec.train.loop import train
 
     del sources  # train() prepares (finds the cached) data from the config itself
-    set_threads(trainer_threads or workload.threads)
+    layout = layout or PsrecLayout()
+    options = options or PsrecOptions()
+    runtime = layout.runtime
+    set_threads(layout.trainer_threads or workload.threads)
     reports: list[dict[str, Any]] = []
 
     def progress(report: dict[str, Any]) -> None:
@@ -241,31 +252,14 @@ def run_psrec(
 
     with tempfile.TemporaryDirectory(prefix="psrec-bench-") as tmp:
         config = parse_config(
-            bench_config(
-                workload,
-                str(Path(tmp) / "run"),
-                runtime=runtime,
-                num_trainers=num_trainers,
-                num_shards=num_shards,
-                trainer_threads=trainer_threads,
-                shard_threads=shard_threads,
-                dense_precision=dense_precision,
-                compile_model=compile_model,
-                wire_precision=wire_precision,
-                reserve=reserve,
-                cache_data=cache_data,
-                row_precision=row_precision,
-                prepared=prepared,
-                populate=populate,
-            ),
-            source="<bench>",
+            bench_config(workload, str(Path(tmp) / "run"), layout, options), source="<bench>"
         )
         if runtime == "ray":
             import ray
 
             owns_ray = not ray.is_initialized()  # tests bring their own cluster
             if owns_ray:
-                env = {"OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else {}
+                env = {"OMP_WAIT_POLICY": "PASSIVE"} if layout.omp_passive else {}
                 ray.init(
                     address="local",
                     num_cpus=4,
@@ -288,7 +282,9 @@ def run_psrec(
         else:
             summary = train(config, progress=progress, resume=False)
             actors_rss = 0
-    result: dict[str, Any] = _timed_rate(reports, workload.warmup_steps > 0, from_epoch=int(cache_data))
+    result: dict[str, Any] = _timed_rate(
+        reports, workload.warmup_steps > 0, from_epoch=int(options.cache_data)
+    )
     result.update(
         auc=summary.get("validation", {}).get("auc"),
         peak_rss_bytes=peak_rss_bytes() + actors_rss,
@@ -298,7 +294,7 @@ def run_psrec(
         phase_seconds=summary["phase_seconds"],
         bytes_pulled_per_sample=summary["bytes_pulled_per_sample"],
         bytes_pushed_per_sample=summary["bytes_pushed_per_sample"],
-        num_trainers=num_trainers,
-        num_shards=num_shards,
+        num_trainers=layout.num_trainers,
+        num_shards=layout.num_shards,
     )
     return result

@@ -104,12 +104,14 @@ def test_cached_system_times_the_second_epoch(tmp_path: Path) -> None:
 
 
 def test_row_precision_systems_store_every_table_in_that_precision(tmp_path: Path) -> None:
-    from psrec.bench.psrec_systems import bench_config
+    from psrec.bench.psrec_systems import PsrecLayout, PsrecOptions, bench_config
     from psrec.config import parse_config
 
     workload = tiny_workload(tmp_path / "cache")
     config = parse_config(
-        bench_config(workload, str(tmp_path / "run"), runtime="local", row_precision="int8")
+        bench_config(
+            workload, str(tmp_path / "run"), PsrecLayout("local"), PsrecOptions(row_precision="int8")
+        )
     )
     assert config.embedding.tables and {t.precision for t in config.embedding.tables.values()} == {"int8"}
     report = run_bench(workload, ["psrec-fp16rows"], rounds=1, isolate=False)
