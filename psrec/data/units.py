@@ -44,11 +44,6 @@ def row_id_base(file_index: int) -> int:
     return file_index << OFFSET_BITS
 
 
-def split_row_id(row_id: int) -> tuple[int, int]:
-    """(file_index, offset) of a global row id."""
-    return row_id >> OFFSET_BITS, row_id & OFFSET_MASK
-
-
 def expand_paths(patterns: list[str], base_dir: str | Path = ".") -> list[Path]:
     """Files named by `patterns` (paths or globs; relative ones resolved against `base_dir`), in order."""
     base = Path(base_dir)

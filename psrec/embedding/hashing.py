@@ -1,8 +1,9 @@
 """64-bit mixing functions shared by the hash index, the initializer, admission and rounding.
 
 ``mix64`` is the SplitMix64 finalizer (Steele et al.): a bijection on 64-bit words with good
-avalanche, so hashing an int64 id never collides before reduction. Every numba function here has a
-NumPy twin (suffix ``_numpy``) computing the same bits on arrays; tests compare the two.
+avalanche, so hashing an int64 id never collides before reduction. ``mix64``, ``hash_key`` and
+``fastrange32`` have NumPy twins (suffix ``_numpy``) computing the same bits on arrays; tests compare
+them.
 
 ``fastrange32`` maps the top 32 bits of a hash onto ``[0, capacity)`` with a multiply-shift
 (Lemire's fastrange) instead of a power-of-two mask, so tables can grow by any factor.
@@ -71,8 +72,3 @@ def fastrange32_numpy(hash_values: np.ndarray, capacity: int) -> np.ndarray:
     """NumPy twin of ``fastrange32``."""
     with np.errstate(over="ignore"):
         return ((hash_values >> np.uint64(32)) * np.uint64(capacity) >> np.uint64(32)).astype(np.int64)
-
-
-def unit_float_numpy(hash_values: np.ndarray) -> np.ndarray:
-    """NumPy twin of ``unit_float``."""
-    return (hash_values >> np.uint64(11)).astype(np.float64) * UNIT_SCALE

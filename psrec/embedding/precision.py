@@ -207,9 +207,6 @@ class RowStorage:
             total += self.scales.nbytes + self.offsets.nbytes
         return int(total)
 
-    def bytes_per_row(self) -> int:
-        return self.dim * self.values.itemsize + (8 if self.precision == "int8" else 0)
-
     def grow(self, row_capacity: int) -> None:
         if self.values.shape[0] >= row_capacity:
             return
