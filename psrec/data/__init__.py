@@ -19,7 +19,7 @@ _EXPORTS = {
     "DataSource": "psrec.data.schema",
     "open_reader": "psrec.data.reader",
     "BatchReader": "psrec.data.reader",
-    "hash_values": "psrec.data.hashing",
+    "hash_values": "psrec.data.feature_hashing",
     "write_synthetic_criteo": "psrec.data.synth",
     "criteo_schema": "psrec.data.synth",
     "BadRowError": "psrec.data.errors",

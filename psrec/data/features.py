@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from psrec.data.batch import Batch, PaddedSequence, SparseBatch
-from psrec.data.hashing import MAX_PASSTHROUGH_ID, hash_values
+from psrec.data.feature_hashing import MAX_PASSTHROUGH_ID, hash_values
 from psrec.data.schema import DenseFeature, Schema, SequenceFeature, SparseFeature
 
 ROW_ID = "__row_id"

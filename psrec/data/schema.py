@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from psrec.data.hashing import namespace_tag
+from psrec.data.feature_hashing import namespace_tag
 
 CRITEO_LABEL = "label"
 CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))

@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from psrec.data.hashing import namespace_tag
+from psrec.data.feature_hashing import namespace_tag
 from psrec.data.schema import DataSource, DenseFeature, Schema, SequenceFeature, SparseFeature
 from psrec.data.synth import criteo_schema
 

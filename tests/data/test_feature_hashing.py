@@ -9,7 +9,7 @@ import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psrec.data.hashing import VALUE_BITS, hash_reference, hash_values, namespace_tag
+from psrec.data.feature_hashing import VALUE_BITS, hash_reference, hash_values, namespace_tag
 
 # Pinned ids: a change here changes every trained embedding table; do not update lightly.
 PINNED = {("C1", "05db9164"): 1953688080033958841, ("C1", ""): 1953549727234829735}
@@ -24,7 +24,7 @@ def test_pinned_values_are_stable() -> None:
 def test_stable_across_processes() -> None:
     """Another process, with another Python hash seed, computes the same ids as this one."""
     code = (
-        "from psrec.data.hashing import hash_values;"
+        "from psrec.data.feature_hashing import hash_values;"
         "print(','.join(map(str, hash_values('item', ['a', 'b', '', 7]).tolist())))"
     )
     environment = {**os.environ, "PYTHONHASHSEED": "12345"}
