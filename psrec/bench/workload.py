@@ -89,7 +89,7 @@ def synthetic_config(workload: Workload) -> dict[str, Any]:
 def prepare_sources(workload: Workload) -> dict[str, dict[str, Any]]:
     """Generate the data once (cached) and return the sources by split, as `psrec train` sees them."""
     from psrec.config import parse_config
-    from psrec.train.loop import prepare_data
+    from psrec.train.data_sources import prepare_data
 
     if workload.cache_dir is not None:
         os.environ["PSREC_CACHE"] = workload.cache_dir

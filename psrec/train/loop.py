@@ -1,15 +1,18 @@
 """The training driver: epochs of steps on a runtime, evaluation, early stopping, checkpoints, recovery.
 
-`train(config)` is what `psrec train CONFIG` runs. It prepares the data (generating the synthetic
-Criteo-shaped set when the config asks for it), starts the runtime (in-process or Ray) and drives
-it: every trainer runs `log_every_steps` steps at a time; between chunks, at step boundaries, the
-driver reports progress (callback + TensorBoard), evaluates on the validation split (end of every
-epoch and every `eval_every_steps`), keeps the best model under early stopping (decaying every
-learning rate on a plateau), and writes checkpoints (`psrec.train.checkpoint`).
+`train(config)` is what `psrec train CONFIG` runs. It prepares the data (`psrec.train.data_sources`:
+generating the synthetic Criteo-shaped set when the config asks for it), starts the runtime
+(in-process or Ray) and drives it: every trainer runs `log_every_steps` steps at a time; between
+chunks, at step boundaries, the driver reports progress (callback + TensorBoard,
+`psrec.train.reporting`), evaluates on the validation split (end of every epoch and every
+`eval_every_steps`), keeps the best model under early stopping (decaying every learning rate on a
+plateau; the rule is `psrec.train.evaluation.decide_early_stopping`), and writes checkpoints
+(`psrec.checkpoint`).
 
 Resume and failures: `train(..., resume=True)` restores the newest valid checkpoint chain of the
 run directory. When a Ray actor dies (trainer or shard), the runtime replaces it and the whole job
-rolls back to the last committed checkpoint; the rows consumed after it are consumed again, and the
+rolls back to the last committed checkpoint (at most `fault_tolerance.max_restarts` times; the rule
+is `psrec.checkpoint.policy.choose_restart`); the rows consumed after it are consumed again, and the
 run's data accounting (`rows_consumed`) only counts rows of committed steps, so every training row
 is counted exactly once. Finally the best (or last) model is evaluated on validation and test and
 `RUN_DIR/summary.json` is written.
@@ -29,8 +32,12 @@ from typing import Any
 import numpy as np
 
 from psrec import checkpoint
+from psrec.checkpoint.policy import RestartDecision, choose_restart
 from psrec.config import RunConfig
-from psrec.train.metrics import BinaryMetricAccumulator, auc, logloss, ranking_metrics
+from psrec.train.data_sources import prepare_data
+from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
+from psrec.train.metrics import BinaryMetricAccumulator
+from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.worker import ChunkResult
 
@@ -91,65 +98,6 @@ class TrainState:
         self.rows_before_resume = int(extra.get("rows_consumed", known)) - known
 
 
-def synthetic_cache_dir() -> Path:
-    import os
-
-    return Path(os.environ.get("PSREC_CACHE", Path.home() / ".cache" / "psrec")).expanduser()
-
-
-def prepare_data(config: RunConfig, *, base_dir: Path) -> dict[str, dict[str, Any]]:
-    """Data sources by split, as plain dicts (paths relative to `base_dir` unless absolute)."""
-    data = config.data
-    sources: dict[str, dict[str, Any]]
-    if data.synthetic is None:
-        sources = {
-            split: getattr(data, split).model_dump(mode="json")
-            for split in ("train", "validation", "test")
-            if getattr(data, split) is not None
-        }
-        if sources["train"]["format"] == "interactions":  # leave-one-out: held-out items of the same file
-            sources.setdefault("validation", sources["train"])
-            sources.setdefault("test", sources["train"])
-        return sources
-    from psrec.data.synth import write_synthetic_criteo
-
-    synthetic = data.synthetic
-    key = f"criteo-scale{synthetic.cardinality_scale}-seed{synthetic.seed}"
-    sources = {}
-    for index, (split, rows) in enumerate(
-        (("train", synthetic.train_rows), ("validation", synthetic.validation_rows))
-    ):
-        if rows == 0:
-            continue
-        target = synthetic_cache_dir() / "synthetic" / f"{key}-{split}-{rows}"
-        if not (target / "_SUCCESS").exists():
-            logger.info("generating %d synthetic Criteo-shaped rows into %s", rows, target)
-            write_synthetic_criteo(
-                target, rows=rows, seed=synthetic.seed + index, cardinality_scale=synthetic.cardinality_scale
-            )
-            (target / "_SUCCESS").write_text("ok\n")
-        source = {"format": "parquet", "paths": [str(target / "*.parquet")]}
-        if synthetic.prepared:
-            source = _prepared_copy(config, target, source)
-        sources[split] = source
-    return sources
-
-
-def _prepared_copy(config: RunConfig, raw: Path, source: dict[str, Any]) -> dict[str, Any]:
-    """The source of `raw`'s rows prepared for the run's schema (written once, cached beside it)."""
-    from psrec.data.convert import convert_to_parquet
-    from psrec.data.features import schema_fingerprint
-    from psrec.data.schema import DataSource
-
-    schema = config.feature_schema()
-    target = raw.with_name(f"{raw.name}-prepared-{schema_fingerprint(schema)}")
-    if not (target / "_SUCCESS").exists():
-        logger.info("preparing %s into %s", raw, target)
-        convert_to_parquet(DataSource.model_validate(source), schema, target, prepared=True)
-        (target / "_SUCCESS").write_text("ok\n")
-    return {"format": "parquet", "paths": [str(target / "*.parquet")]}
-
-
 def train(
     config: RunConfig,
     *,
@@ -184,7 +132,7 @@ def train(
     owns_runtime = runtime is None
     if runtime is None:
         runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
-    writer = _summary_writer(run_dir)
+    writer = summary_writer(run_dir)
     try:
         driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
         summary = driver.run(resume=resume)
@@ -242,22 +190,26 @@ class Driver:
                 self._train_until_done()
                 return self._finish()
             except Exception as error:
-                if not self._caused_by_dead_actor(error):
-                    raise  # a bug or bad data: replaying would fail the same way
-                if restarts >= self.config.fault_tolerance.max_restarts:
-                    logger.error("giving up after %d restarts (fault_tolerance.max_restarts)", restarts)
-                    raise
+                if not self._restart_decision(error, restarts).recover:
+                    raise  # e.g. a bug or bad data: replaying would fail the same way
                 restarts += 1
                 self._recover(error)
 
-    def _caused_by_dead_actor(self, error: BaseException) -> bool:
-        """Recover only when a process died; an exception raised inside a live actor is re-raised."""
-        if not _is_actor_failure(error):
-            return False
-        dead = self.runtime.dead_actors()
+    def _restart_decision(self, error: BaseException, restarts: int) -> RestartDecision:
+        """`choose_restart` over this failure: a Ray error and actors that no longer answer."""
+        actor_failure = _is_actor_failure(error)
+        dead = self.runtime.dead_actors() if actor_failure else []  # asked only after an actor failure
         if dead:
             logger.warning("dead: %s", ", ".join(dead))
-        return bool(dead)
+        decision = choose_restart(
+            actor_failure=actor_failure,
+            dead_actors=dead,
+            restarts=restarts,
+            max_restarts=self.config.fault_tolerance.max_restarts,
+        )
+        if decision.reason == "max restarts reached":
+            logger.error("%s", decision.detail)
+        return decision
 
     def _train_until_done(self) -> None:
         training = self.config.training
@@ -326,7 +278,7 @@ class Driver:
                 "running_auc": self.running.compute()["auc"] if len(self.running) else float("nan"),
                 "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
             }
-            _scalars(self.writer, "train", report, self.state.step)
+            write_scalars(self.writer, "train", report, self.state.step)
             report["phase_seconds"] = dict(self.phase_seconds)  # cumulative, for profiles of a window
             if self.progress is not None:
                 self.progress(report)
@@ -352,33 +304,39 @@ class Driver:
     def _evaluate_and_decide(self) -> bool:
         """Evaluate on validation; track the best model; decay learning rates or stop on a plateau."""
         state = self.state
-        metrics: dict[str, Any] = _metrics(self.runtime.evaluate("validation"))
+        metrics: dict[str, Any] = evaluation_metrics(self.runtime.evaluate("validation"))
         metrics.update(step=state.step, epoch=state.epoch)
         state.history.append(metrics)
-        _scalars(self.writer, "validation", metrics, state.step)
+        write_scalars(self.writer, "validation", metrics, state.step)
         shown = " ".join(f"{k} {v:.5f}" for k, v in metrics.items() if isinstance(v, float))
         logger.info("step %d validation %s", state.step, shown)
         early = self.config.training.early_stopping
         if early is None:
             return False
-        value = metrics[early.metric]
-        best = state.best_metric
-        if best is None or (value < best if early.metric == "logloss" else value > best):
-            state.best_metric, state.best_step, state.bad_evals = value, state.step, 0
+        decision = decide_early_stopping(
+            EarlyStoppingRecord(state.best_metric, state.best_step, state.bad_evals, state.lr_factor),
+            metrics[early.metric],
+            step=state.step,
+            metric=early.metric,
+            patience=early.patience,
+            lr_decay=early.lr_decay,
+        )
+        after = decision.record
+        state.best_metric, state.best_step = after.best_metric, after.best_step
+        state.bad_evals, state.lr_factor = after.bad_evals, after.lr_factor
+        if decision.action == "improved":
             self.runtime.save_snapshot("best")
             self.best_snapshot = True
             return False
-        state.bad_evals += 1
-        if state.bad_evals >= early.patience:
+        if decision.action == "stop":
             logger.info(
                 "early stopping at step %d: best %s %.5f at step %d",
                 state.step,
                 early.metric,
-                best,
+                state.best_metric,
                 state.best_step,
             )
             return True
-        state.lr_factor *= early.lr_decay
         self.runtime.scale_learning_rates(early.lr_decay)
         logger.info("no improvement: learning rates x %g", early.lr_decay)
         return False
@@ -523,7 +481,7 @@ class Driver:
         }
         for split in ("validation", "test"):
             if split in self.sources:
-                summary[split] = _metrics(self.runtime.evaluate(split))
+                summary[split] = evaluation_metrics(self.runtime.evaluate(split))
         return summary
 
 
@@ -538,31 +496,9 @@ def _normalized_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def _is_actor_failure(error: BaseException) -> bool:
+    """The Ray-specific half of the restart decision: did the error come from Ray (a task or actor)?"""
     try:
         from ray.exceptions import RayError
     except ImportError:  # pragma: no cover
         return False
     return isinstance(error, RayError)
-
-
-def _metrics(parts: dict[str, np.ndarray]) -> dict[str, float]:
-    if "ranks" in parts:
-        return {**ranking_metrics(parts["ranks"], ks=(1, 5, 10)), "rows": int(parts["ranks"].size)}
-    labels, scores = parts["labels"], parts["scores"]
-    return {"auc": auc(labels, scores), "logloss": logloss(labels, scores), "rows": int(labels.size)}
-
-
-def _summary_writer(run_dir: Path) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # pragma: no cover - tensorboard is a dependency
-        return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
-
-
-def _scalars(writer: Any, prefix: str, values: dict[str, Any], step: int) -> None:
-    if writer is None:
-        return
-    for key, value in values.items():
-        if isinstance(value, float | int) and key not in ("step", "epoch") and np.isfinite(value):
-            writer.add_scalar(f"{prefix}/{key}", value, step)

@@ -14,7 +14,7 @@ from psrec.data.features import PREPARED_KEY, schema_fingerprint
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource, DenseFeature, Schema
 from psrec.data.synth import criteo_schema
-from psrec.train.loop import prepare_data
+from psrec.train.data_sources import prepare_data
 
 
 def read(source: DataSource, schema: Schema, base_dir: Path, **options: object) -> list[Batch]:
