@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +60,11 @@ class _Ahead:
 
 
 class PipelineStepRunner:
-    """`StepRunner`'s interface (`run`, `flush`, `predict`, `timer`) over a pipeline stage."""
+    """The `Runner` interface (`psrec.train.runner`) over a pipeline stage.
+
+    It does not read ahead across `run` calls: `close` has nothing to stop and `trained_position`
+    is None (the reader's own position is the trained one).
+    """
 
     def __init__(
         self,
@@ -100,8 +104,26 @@ class PipelineStepRunner:
         return self._stepper
 
     # -- the step loop ---------------------------------------------------------------------------
-    def run(self, batches: Iterator[Batch], *, first_step: int, max_steps: int) -> Iterator[StepResult]:
-        """Train up to `max_steps` steps; only the first stage reads `batches`. Yields one result per step."""
+    @property
+    def trained_position(self) -> None:
+        """Always None: nothing is read ahead, so the reader's position is that of the last batch trained."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop: batches are read on the training thread, never ahead of `run`."""
+
+    def run(
+        self,
+        batches: Iterator[Batch],
+        *,
+        first_step: int,
+        max_steps: int,
+        position: Callable[[], Any] | None = None,
+    ) -> Iterator[StepResult]:
+        """Train up to `max_steps` steps; only the first stage reads `batches`. Yields one result per step.
+
+        `position` is not used (see `trained_position`).
+        """
         self.model.train()
         assert self.stepper is not None  # built here, by every trainer at the same point
         ahead: _Ahead | None = None

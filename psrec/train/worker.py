@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,10 +29,8 @@ from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders
 from psrec.train.lookup import BatchLookup
+from psrec.train.runner import Runner
 from psrec.train.step import StepRunner
-
-if TYPE_CHECKING:
-    from psrec.train.pipeline_step import PipelineStepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +138,7 @@ class TrainerWorker:
             feature_tables=builders.feature_tables(self.config),
             sequence_tables=builders.sequence_tables(self.config),
         )
-        self.runner: StepRunner | PipelineStepRunner
+        self.runner: Runner
         pipeline = self.config.ps.pipeline
         if pipeline is not None:
             from psrec.parallel.pipeline import PipelineLayout
@@ -232,8 +230,7 @@ class TrainerWorker:
     # -- training ------------------------------------------------------------------------------
     def _close_runner(self) -> None:
         """Stop the runner's read-ahead of the current reader (before the reader goes away)."""
-        if isinstance(self.runner, StepRunner):
-            self.runner.close()
+        self.runner.close()
 
     def start_epoch(self, epoch: int, position: dict[str, Any] | None = None) -> None:
         self._close_runner()
@@ -271,13 +268,10 @@ class TrainerWorker:
         pulled, pushed = self.client.bytes_pulled, self.client.bytes_pushed
         steps, samples, loss_sum = 0, 0, 0.0
         scores, labels, row_ids = [], [], []
-        if isinstance(self.runner, StepRunner):
-            # The runner reads ahead across chunks and records the position of what it trained on.
-            run = self.runner.run(
-                self._batches, first_step=self.step, max_steps=max_steps, position=self._reader.position
-            )
-        else:
-            run = self.runner.run(self._batches, first_step=self.step, max_steps=max_steps)
+        # A runner that reads ahead across chunks records the position of what it trained on.
+        run = self.runner.run(
+            self._batches, first_step=self.step, max_steps=max_steps, position=self._reader.position
+        )
         for result in run:
             steps += 1
             n = result.labels.shape[0]
@@ -380,7 +374,7 @@ class TrainerWorker:
     def checkpoint_state(self) -> dict[str, Any]:
         """JSON-able: where this trainer is (step, epoch, reader position after its last batch)."""
         position = None
-        if isinstance(self.runner, StepRunner) and self.runner.trained_position is not None:
+        if self.runner.trained_position is not None:
             position = self.runner.trained_position  # the reader itself may be read ahead
         elif self._reader is not None:
             position = self._reader.position()
