@@ -8,7 +8,7 @@ One module per concern:
 - `save`       writing a checkpoint, in one process or by shards in parallel
 - `load`       verifying and loading, resolving the chain to resume from
 - `retention`  deleting old checkpoints and torn writes
-- `policy`     the pure decisions (restore chain, retention, config differences)
+- `policy`     the pure decisions (restore chain, retention, restarts, config differences)
 
 This package sits below the parameter server and the trainers: it knows arrays, state dicts and JSON, not
 shards, trainers or configs. Tests: ``python -m pytest tests/checkpoint -q``.
