@@ -118,3 +118,49 @@ def test_real_criteo_and_avazu_samples(shared_data: Path) -> None:
     avazu = DataSource(format="csv", paths=[str(samples / "avazu_sample.txt")])
     batch, _ = one_batch(avazu, avazu_schema, samples)
     assert batch.batch_size == 100 and set(np.unique(batch.labels).tolist()) <= {0.0, 1.0}
+
+
+def test_convert_refuses_an_output_directory_that_holds_an_input(
+    synthetic_parquet: Path, tmp_path: Path
+) -> None:
+    """Converting a Parquet file into its own directory (with --prepared) used to overwrite the input
+    with the first row group's rows; now it is refused and the input is untouched."""
+    data = tmp_path / "data"
+    data.mkdir()
+    source_file = data / "part-00000.parquet"
+    source_file.write_bytes((synthetic_parquet / "part-00000.parquet").read_bytes())
+    before = source_file.read_bytes()
+    source = DataSource(format="parquet", paths=[str(source_file)])
+    for out in (data, tmp_path):  # the input's directory, and a directory above it
+        with pytest.raises(ValueError, match="holds the input file"):
+            convert_to_parquet(source, criteo_schema(), out, prepared=True, row_group_rows=1000)
+    assert source_file.read_bytes() == before
+    assert sorted(p.name for p in data.iterdir()) == ["part-00000.parquet"]
+    config = tmp_path / "schema.yaml"
+    config.write_text(yaml.safe_dump({"schema": criteo_schema().model_dump(mode="json")}))
+    options = ["--format", "parquet", "--prepared", "--config", str(config), "--out", str(data)]
+    code = main(["data", "convert", str(source_file), *options])
+    assert code == 1 and source_file.read_bytes() == before
+
+
+def test_a_failed_conversion_leaves_no_partial_output(synthetic_tsv: Path, tmp_path: Path) -> None:
+    """Output files appear only when every file converted: a bad row in the second file (on_error:
+    raise) leaves neither the first file's output nor temporary files, and an older output file of
+    the same name is kept as it was."""
+    good = (synthetic_tsv / "part-00000.tsv").read_text()
+    (tmp_path / "a.tsv").write_text(good)
+    (tmp_path / "b.tsv").write_text(good + "1\t2\tbad\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.parquet").write_bytes(b"an older conversion")
+    source = DataSource(format="criteo_tsv", paths=["a.tsv", "b.tsv"], on_error="raise")
+    with pytest.raises(Exception, match="line"):
+        convert_to_parquet(source, criteo_schema(), out, base_dir=tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["a.parquet"]
+    assert (out / "a.parquet").read_bytes() == b"an older conversion"
+    paths, summary = convert_to_parquet(
+        DataSource(format="criteo_tsv", paths=["a.tsv"]), criteo_schema(), out, base_dir=tmp_path
+    )
+    assert [p.name for p in out.iterdir()] == ["a.parquet"] and summary["rows"] == pq.ParquetFile(
+        paths[0]
+    ).metadata.num_rows
