@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,19 @@ import numpy as np
 from psrec import checkpoint
 from psrec.checkpoint.policy import RestartDecision, choose_restart
 from psrec.config import RunConfig
+from psrec.train.accounting import (
+    EMPTY,
+    id_ranges,
+    ranges_from_json,
+    ranges_size,
+    ranges_to_json,
+    union_ranges,
+)
 from psrec.train.data_sources import prepare_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
+from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.worker import ChunkResult
 
@@ -64,6 +72,9 @@ class TrainState:
     # (step after the chunk, row ids the chunk consumed): the exact-once data accounting.
     consumed: list[tuple[int, np.ndarray]] = field(default_factory=list)
     rows_before_resume: int = 0
+    # the ranges of every row consumed: the restored checkpoint's, with `consumed[:_folded]` added
+    _ranges: np.ndarray = field(default_factory=lambda: EMPTY.copy())
+    _folded: int = 0
 
     _SAVED = (
         "epoch",
@@ -81,10 +92,22 @@ class TrainState:
         return {k: getattr(self, k) for k in self._SAVED} | {
             "history": self.history,
             "rows_consumed": self.rows_consumed(),
+            "rows_consumed_ranges": ranges_to_json(self.consumed_ranges()),
         }
 
     def rows_consumed(self) -> int:
         return self.rows_before_resume + sum(ids.size for _, ids in self.consumed)
+
+    def consumed_ranges(self) -> np.ndarray:
+        """Every row id consumed by the run so far, before a restart included, as ranges."""
+        new = [ids for _, ids in self.consumed[self._folded :]]
+        if new:
+            self._ranges = union_ranges(self._ranges, id_ranges(np.concatenate(new)))
+            self._folded = len(self.consumed)
+        return self._ranges
+
+    def rows_consumed_unique(self) -> int:
+        return ranges_size(self.consumed_ranges())
 
     def roll_back(self, step: int, extra: dict[str, Any]) -> None:
         """Return to a checkpoint: forget the work of steps after it."""
@@ -96,6 +119,7 @@ class TrainState:
         self.consumed = [(end, ids) for end, ids in self.consumed if end <= step]
         known = sum(ids.size for _, ids in self.consumed)
         self.rows_before_resume = int(extra.get("rows_consumed", known)) - known
+        self._ranges, self._folded = ranges_from_json(extra.get("rows_consumed_ranges")), 0
 
 
 def train(
@@ -110,32 +134,30 @@ def train(
 
     `resume=None` (the default) resumes an interrupted run found in the run directory and moves a
     finished one aside to RUN_DIR-<time>; `True` always resumes from the newest valid checkpoint;
-    `False` refuses a run directory that already holds checkpoints.
+    `False` refuses a run directory that already holds checkpoints. psrec writes only into run
+    directories it created (`psrec.train.run_dir`), and only once the data and runtime are set up.
     """
     run_dir = Path(config.run_dir)
-    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.exists() else False
-    if resume is None:
-        if (run_dir / "summary.json").exists():
-            archived = run_dir.with_name(f"{run_dir.name}-{datetime.now(UTC):%Y%m%d-%H%M%S}")
-            run_dir.rename(archived)
-            logger.info("%s held a finished run: moved it to %s", run_dir, archived)
-            has_checkpoints = False
-        resume = has_checkpoints
-    elif not resume and has_checkpoints:
-        raise checkpoint.CheckpointError(
-            f"{run_dir} already holds checkpoints: resume it (--resume) or choose another run_dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config.model_dump(mode="json", by_alias=True), indent=2))
+    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
+    plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints), resume=resume)
     sources = prepare_data(config, base_dir=Path(base_dir))
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
         runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
+    try:  # the run's set-up succeeded: only now is the run directory touched
+        apply_run_dir_plan(plan)
+        (run_dir / "config.json").write_text(
+            json.dumps(config.model_dump(mode="json", by_alias=True), indent=2)
+        )
+    except BaseException:
+        if owns_runtime:
+            runtime.shutdown()
+        raise
     writer = summary_writer(run_dir)
     try:
         driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
-        summary = driver.run(resume=resume)
+        summary = driver.run(resume=plan.resume)
     finally:
         if writer is not None:
             writer.close()
@@ -458,7 +480,6 @@ class Driver:
     def _finish(self) -> dict[str, Any]:
         state = self.state
         best_model = self._restore_best_model()
-        consumed = [ids for _, ids in state.consumed]
         summary: dict[str, Any] = {
             "steps": state.step,
             "epochs": state.epoch + (1 if state.epoch_done else 0),
@@ -472,7 +493,7 @@ class Driver:
             "bytes_pulled_per_sample": self.bytes_pulled / max(1, state.samples),
             "bytes_pushed_per_sample": self.bytes_pushed / max(1, state.samples),
             "rows_consumed": state.rows_consumed(),
-            "rows_consumed_unique": int(np.unique(np.concatenate(consumed)).size) if consumed else 0,
+            "rows_consumed_unique": state.rows_consumed_unique(),
             "rows_skipped": state.rows_skipped,
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
