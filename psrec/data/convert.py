@@ -97,6 +97,7 @@ def convert_to_parquet(
             tables = _tables_of_file(reader, [u for u in units if u.file_index == index], unit_done)
             if prepared:
                 tables = (mark_prepared(prepare_table(schema, table), fingerprint) for table in tables)
+            tables = (table.drop_columns([ROW_ID]) for table in tables)
             file_rows = _write_parquet(
                 temporary, tables, row_group_rows=row_group_rows, compression=compression
             )
@@ -134,10 +135,10 @@ def refuse_overlap(inputs: list[Path], output: Path) -> None:
 
 
 def _tables_of_file(reader: Any, units: list[Unit], unit_done: Callable[[Unit], None]) -> Iterator[pa.Table]:
-    """One input file's rows as tables (without the row-id column), unit by unit."""
+    """One input file's rows as tables, unit by unit."""
     for unit in units:
         for table in reader.read(unit, None):
-            yield table.drop_columns([ROW_ID])
+            yield table
         unit_done(unit)
 
 
