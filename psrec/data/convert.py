@@ -137,8 +137,7 @@ def refuse_overlap(inputs: list[Path], output: Path) -> None:
 def _tables_of_file(reader: Any, units: list[Unit], unit_done: Callable[[Unit], None]) -> Iterator[pa.Table]:
     """One input file's rows as tables, unit by unit."""
     for unit in units:
-        for table in reader.read(unit, None):
-            yield table
+        yield from reader.read(unit, None)
         unit_done(unit)
 
 
