@@ -16,23 +16,50 @@ SHARED_DATA = Path(
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    """A fresh local Ray cluster on loopback (never a stray cluster on the host), torn down after the module."""
+    """A fresh embedded Ray cluster as psrec starts it (`start_ray(None)`: loopback only, token
+    authentication; never a stray cluster on the host), torn down after the module."""
     import ray
+
+    from psrec.train.cluster import start_ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        configure_logging=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
+    start_ray(None, num_cpus=4, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, "tcp" | "udp", address, port) of every socket the processes listen on: TCP sockets in
+    LISTEN, and UDP sockets bound without a peer."""
+    import importlib
+    import socket
+
+    import ray  # noqa: F401  - Ray ships psutil and puts it on sys.path
+
+    psutil = importlib.import_module("psutil")
+
+    found = []
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue  # a short-lived helper that exited
+        for connection in connections:
+            tcp = connection.type == socket.SOCK_STREAM
+            if (tcp and connection.status == psutil.CONN_LISTEN) or (not tcp and not connection.raddr):
+                found.append((pid, "tcp" if tcp else "udp", connection.laddr.ip, connection.laddr.port))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%")[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,38 @@
 """Starting Ray: an embedded single-machine cluster bound to loopback, or joining an existing cluster.
 
-`start_ray(None)` starts a local cluster on 127.0.0.1 only (never attaching to a cluster that happens
-to run on the host); `start_ray("HOST:PORT")` joins the cluster there after checking that it answers.
-Every process Ray starts gets the OpenMP wait policy and allocator settings of this process.
+`start_ray(None)` starts a local cluster whose every process (GCS, raylet and object manager, workers,
+dashboard and runtime-env agents) listens on 127.0.0.1 only, never attaching to a cluster that
+happens to run on the host; `start_ray("HOST:PORT")` joins the cluster there after checking that it
+answers. Both use Ray's token authentication (`RAY_AUTH_MODE=token`, Ray >= 2.52): the embedded
+cluster generates its token if there is none, and the token file is readable by its owner only
+(0600); joining a cluster fails before connecting when no token is found. Every process Ray starts
+gets the OpenMP wait policy and allocator settings of this process. What listens where is listed in
+docs/fault_tolerance.md ("Network").
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import logging
 import os
+import re
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from psrec.allocator import malloc_environment
 from psrec.config import ConfigError, RunConfig
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+# Token authentication (RAY_AUTH_MODE=token) first shipped in Ray 2.52.0.
+MIN_RAY_VERSION = (2, 52)
+# Ray's single-machine mode (its default on macOS and Windows): the node address stays loopback.
+SINGLE_MACHINE_VARIABLE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def required_cpus(config: RunConfig) -> float:
@@ -20,17 +41,22 @@ def required_cpus(config: RunConfig) -> float:
     return ps.num_trainers * ps.trainer_resources.num_cpus + shards * ps.shard_resources.num_cpus
 
 
-def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
-    """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable."""
+def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+    """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable
+    or, for `address`, if no authentication token is found."""
     import ray
 
     if ray.is_initialized():
         return
+    check_ray_version(ray.__version__)
     if address is not None:
         check_reachable(address)
+        check_token(address)
+    else:
+        enable_token_auth()
     kwargs: dict[str, Any] = {
         "include_dashboard": False,
-        "log_to_driver": True,
+        "log_to_driver": log_to_driver,
         "configure_logging": False,
         # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
         "runtime_env": {
@@ -44,7 +70,8 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         if address is None:
             # Ray starts workers at nice 15; on a shared machine the trainer then starves.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+            with _loopback_node():
+                ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
         else:
             ray.init(address=address, **kwargs)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
@@ -53,6 +80,138 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
             f"ps.address: could not start or join {where}: {error}. Check the address (ray status on the "
             "head node prints it) or leave ps.address empty to run on this machine."
         ) from None
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Keep 127.0.0.1 as the node address while `ray.init` starts the cluster.
+
+    Ray's servers (GCS, raylet and object manager, core workers) listen on 127.0.0.1 only when the
+    node address is exactly "127.0.0.1", and on all interfaces otherwise; the dashboard and
+    runtime-env agents bind to the node address. `ray.init` replaces a loopback `_node_ip_address`
+    by the host's routable address unless Ray runs in its single-machine mode, which it reads from
+    `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER` when a process imports it: the processes `ray.init` starts
+    get the variable, this process (which imported Ray already) gets the constant set.
+    """
+    from ray._private import ray_constants
+
+    previous_variable = os.environ.get(SINGLE_MACHINE_VARIABLE)
+    previous_constant = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[SINGLE_MACHINE_VARIABLE] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous_constant
+        if previous_variable is None:
+            os.environ.pop(SINGLE_MACHINE_VARIABLE, None)
+        else:
+            os.environ[SINGLE_MACHINE_VARIABLE] = previous_variable
+
+
+def check_ray_version(version: str) -> None:
+    """psrec needs Ray's token authentication (Ray >= 2.52)."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < MIN_RAY_VERSION:
+        wanted = ".".join(map(str, MIN_RAY_VERSION))
+        raise ConfigError(
+            f"ray {version} has no token authentication: psrec needs ray>={wanted} "
+            f"(pip install 'ray[default]>={wanted}')"
+        )
+
+
+# -- authentication ----------------------------------------------------------------------------
+def token_path() -> Path | None:
+    """The file Ray reads its token from (None when `RAY_AUTH_TOKEN` holds the token itself).
+
+    Ray looks in `RAY_AUTH_TOKEN`, then the file `RAY_AUTH_TOKEN_PATH` names, then `~/.ray/auth_token`.
+    """
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return None
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+    return Path(named) if named else Path.home() / ".ray" / "auth_token"
+
+
+def _read_token(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return ""
+
+
+def write_private_token(path: Path) -> None:
+    """Make `path` hold a token readable by its owner only: write a new one (0600, in a 0700 directory
+    when the directory is new) when the file is missing or empty, else tighten its mode to 0600."""
+    if not _read_token(path):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(descriptor, 0o600)  # an existing empty file keeps its mode otherwise
+            os.write(descriptor, secrets.token_hex(32).encode())  # 256 bits, as `ray get-auth-token`
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        logger.info("wrote a new Ray authentication token to %s (mode 0600)", path)
+    restrict_token_file(path)
+
+
+def restrict_token_file(path: Path) -> None:
+    """Tighten the token file to 0600 (Ray writes it world-readable); warn when that is not possible."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if not mode & 0o077:
+        return
+    try:
+        os.chmod(path, 0o600)
+    except OSError as error:
+        logger.warning("the Ray token %s is readable by others (mode %o) and stays so: %s", path, mode, error)
+        return
+    logger.warning("the Ray token %s was readable by others (mode %o): now 0600", path, mode)
+
+
+def _set_token_mode() -> None:
+    """Token authentication for this process and every process it starts."""
+    raylet: Any = importlib.import_module("ray._raylet")  # its stub lacks the authentication names
+
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if raylet.get_authentication_mode() != raylet.AuthenticationMode.TOKEN:
+        raylet.Config.initialize("")  # Ray read its configuration before the variable was set
+
+
+def enable_token_auth() -> None:
+    """The embedded cluster: token authentication, whatever `RAY_AUTH_MODE` says, with a private token."""
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        logger.warning(
+            "RAY_AUTH_MODE=%s ignored: the embedded Ray cluster uses token authentication",
+            os.environ["RAY_AUTH_MODE"],
+        )
+    _set_token_mode()
+    path = token_path()
+    if path is not None:
+        write_private_token(path)
+
+
+def check_token(address: str) -> None:
+    """Before joining `address`: token authentication on and a token present, or a clear error.
+
+    An explicit `RAY_AUTH_MODE=disabled` (a cluster started without authentication) is respected.
+    """
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        logger.warning("RAY_AUTH_MODE=%s: joining %s without authentication", mode, address)
+        return
+    path = token_path()
+    if path is not None and not _read_token(path):
+        source = "RAY_AUTH_TOKEN_PATH" if os.environ.get("RAY_AUTH_TOKEN_PATH") else "the default path"
+        raise ConfigError(
+            f"ps.address {address!r}: no Ray authentication token (RAY_AUTH_TOKEN is not set and {path}, "
+            f"{source}, is missing or empty). Print the cluster's token "
+            "on its head node with `ray get-auth-token`, then store it in ~/.ray/auth_token (chmod 600) "
+            "or in a file RAY_AUTH_TOKEN_PATH names, or set RAY_AUTH_TOKEN. A cluster started without "
+            "authentication needs RAY_AUTH_MODE=disabled."
+        )
+    _set_token_mode()
+    if path is not None:
+        restrict_token_file(path)
 
 
 def check_reachable(address: str, *, timeout: float = 5.0) -> None:

@@ -1,0 +1,128 @@
+"""Starting or joining Ray: the embedded cluster listens on loopback only and authenticates with a
+private token; joining a cluster without a token fails before connecting.
+
+The tests without Ray come first: the module's Ray cluster (`ray_cluster`) stays up from the first
+test that asks for it to the end of the module.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from psrec.config import ConfigError
+from psrec.train import cluster
+
+AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+@pytest.fixture
+def no_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home without ~/.ray and no RAY_AUTH_* variables; restored afterwards, whatever the code sets."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in AUTH_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return home
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_ray_without_token_authentication_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"ray>=2\.52"):
+        cluster.check_ray_version("2.51.1")
+    for version in ("2.52.0", "2.60.0", "3.0.0.dev0"):
+        cluster.check_ray_version(version)
+
+
+def test_token_file_is_private(no_token: Path) -> None:
+    path = cluster.token_path()
+    assert path == no_token / ".ray" / "auth_token"
+    cluster.write_private_token(path)
+    token = path.read_text()
+    assert len(token) == 64 and int(token, 16) >= 0
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    cluster.write_private_token(path)
+    assert path.read_text() == token  # an existing token is kept
+
+    path.chmod(0o644)  # as Ray writes it
+    cluster.write_private_token(path)
+    assert _mode(path) == 0o600 and path.read_text() == token
+
+    path.write_text("")
+    path.chmod(0o644)
+    cluster.write_private_token(path)  # an empty file gets a token, and is private before it does
+    assert _mode(path) == 0o600 and len(path.read_text()) == 64
+
+
+def test_joining_without_a_token_fails_before_connecting(
+    no_token: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import ray
+
+    assert not ray.is_initialized()
+    with socket.socket() as head:  # answers the reachability check; Ray would wait for minutes
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        address = f"127.0.0.1:{head.getsockname()[1]}"
+        with pytest.raises(ConfigError, match="no Ray authentication token.*ray get-auth-token"):
+            cluster.start_ray(address)
+        assert not ray.is_initialized()
+
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(no_token / "missing"))
+        with pytest.raises(ConfigError, match="missing.*RAY_AUTH_TOKEN_PATH"):
+            cluster.start_ray(address)
+
+    token = no_token / "token"
+    token.write_text("abc\n")
+    token.chmod(0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    cluster.check_token(address)
+    assert os.environ["RAY_AUTH_MODE"] == "token" and _mode(token) == 0o600
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a cluster without authentication, said explicitly
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    cluster.check_token(address)
+
+
+@pytest.mark.ray
+def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> None:
+    """In a fresh process (Ray caches the token it read): RAY_AUTH_MODE=disabled in the environment and
+    no token yet; the embedded cluster still runs with token authentication and a 0600 token."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+    env |= {"HOME": str(tmp_path), "RAY_AUTH_MODE": "disabled"}
+    script = textwrap.dedent(
+        """
+        import os, stat
+        import ray
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+        from psrec.train.cluster import start_ray
+
+        start_ray(None, num_cpus=1, log_to_driver=False)
+        try:
+            token = os.path.expanduser("~/.ray/auth_token")
+            print("mode", get_authentication_mode() == AuthenticationMode.TOKEN)
+            print("file", oct(stat.S_IMODE(os.stat(token).st_mode)))
+            print("worker", ray.get(ray.remote(lambda: os.environ.get("RAY_AUTH_MODE")).remote()))
+        finally:
+            ray.shutdown()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines == {"mode": "True", "file": "0o600", "worker": "token"}, done.stdout
