@@ -1,9 +1,10 @@
 """Run a function on W local processes joined in a gloo process group: the one multi-process helper.
 
-Used by the multi-process tests (`tests/parallel/`) and the parallelism measurements: it takes a free
-port on 127.0.0.1, forks W processes (fork start method: nothing is pickled but the results, and the
-function may be a closure), joins them in a gloo group, runs ``fn(rank, world_size, *args)`` in each,
-collects every rank's return value, and checks every rank's exit code::
+Used by the multi-process tests (`tests/parallel/`) and the parallelism measurements: it opens the
+group's store socket on 127.0.0.1 (a free port), forks W processes (fork start method: nothing is
+pickled but the results, and the function may be a closure), joins them in a gloo group that listens
+on loopback only (`psrec.parallel.rendezvous`), runs ``fn(rank, world_size, *args)`` in each, collects
+every rank's return value, and checks every rank's exit code::
 
     def step(rank: int, world_size: int) -> float:
         ...  # torch.distributed calls
@@ -23,17 +24,14 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from psrec.parallel import rendezvous
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+LOOPBACK = "127.0.0.1"
 
 
 class GroupFailed(RuntimeError):
@@ -45,6 +43,7 @@ def _child(
     rank: int,
     world_size: int,
     port: int,
+    listen_fd: int,
     args: tuple[Any, ...],
     results: Any,
     timeout: float,
@@ -53,12 +52,17 @@ def _child(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if rank != 0:
+        os.close(listen_fd)  # the store socket forked into every rank belongs to rank 0
     try:
-        dist.init_process_group(
+        rendezvous.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            master_address=LOOPBACK,
+            master_port=port,
             rank=rank,
             world_size=world_size,
+            local_address=LOOPBACK,
+            listen_fd=listen_fd if rank == 0 else None,
             timeout=datetime.timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)
@@ -79,13 +83,21 @@ def run_local_group(
     """``[fn(rank, world_size, *args) for each rank]``, run in W forked processes (module docstring)."""
     context = multiprocessing.get_context("fork")
     results = context.Queue()
-    port = free_port()
+    listener = rendezvous.listen(LOOPBACK)
+    port = listener.getsockname()[1]
     processes = [
-        context.Process(target=_child, args=(fn, rank, world_size, port, args, results, timeout), daemon=True)
+        context.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, listener.fileno(), args, results, timeout),
+            daemon=True,
+        )
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        listener.close()  # rank 0 holds its own copy
     values: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout

@@ -327,8 +327,7 @@ class RayRuntime(RuntimeBase):
         ]
         _get([s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300)
         if ps.num_trainers > 1:
-            address = ray.get(self.trainers[0].node_address.remote())
-            port = ray.get(self.trainers[0].free_port.remote())
+            address, port = ray.get(self.trainers[0].listen_for_group.remote())
             _get([t.init_process_group.remote(address, port) for t in self.trainers])
 
     # -- primitives ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from psrec.config import RunConfig
 from psrec.data.background import InputGate
 from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
+from psrec.parallel import rendezvous
 from psrec.ps.actors import RayConnection
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
@@ -127,6 +129,7 @@ class TrainerWorker:
         self._snapshots: dict[str, dict[str, Any]] = {}
         self._skipped_reported = 0
         self._interactions: Any = None
+        self._store_listener: socket.socket | None = None  # trainer 0's, until the group forms
 
     def _linear_terms(self) -> bool:
         return bool(getattr(self.model, "uses_linear_terms", False))
@@ -197,26 +200,33 @@ class TrainerWorker:
         restore_shard(self.local_shard, chain, step)
 
     # -- process group -----------------------------------------------------------------------
-    def node_address(self) -> str:
+    def _node_address(self) -> str:
+        """This trainer's node address: 127.0.0.1 in the embedded cluster (`psrec.train.cluster`)."""
         import ray
 
         return str(ray.util.get_node_ip_address())
 
-    def free_port(self) -> int:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return int(sock.getsockname()[1])
+    def listen_for_group(self) -> tuple[str, int]:
+        """Trainer 0: open the group's store socket on this node's address; where the others connect."""
+        self._store_listener = rendezvous.listen(self._node_address())
+        return self._node_address(), int(self._store_listener.getsockname()[1])
 
     def init_process_group(self, master_address: str, master_port: int) -> None:
-        """Join the trainers' gloo group (dense allreduce); NCCL when the trainers have GPUs."""
-        os.environ["MASTER_ADDR"] = master_address
-        os.environ["MASTER_PORT"] = str(master_port)
+        """Join the trainers' gloo group (dense allreduce); NCCL when the trainers have GPUs. Trainer 0
+        serves the store on the socket `listen_for_group` opened."""
         backend = (
             "nccl" if torch.cuda.is_available() and self.config.ps.trainer_resources.num_gpus > 0 else "gloo"
         )
-        dist.init_process_group(backend, rank=self.trainer_index, world_size=self.world_size)
+        listener, self._store_listener = self._store_listener, None
+        rendezvous.init_process_group(
+            backend,
+            master_address=master_address,
+            master_port=master_port,
+            rank=self.trainer_index,
+            world_size=self.world_size,
+            local_address=self._node_address(),
+            listen_fd=listener.detach() if listener is not None else None,
+        )
         if self.collective:
             self._build_collective_client()
 

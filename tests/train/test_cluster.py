@@ -13,11 +13,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from psrec.config import ConfigError
 from psrec.train import cluster
+from tests.conftest import is_loopback, listening_sockets, small_run_config
 
 AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
@@ -126,3 +128,36 @@ def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert lines == {"mode": "True", "file": "0o600", "worker": "token"}, done.stdout
+
+
+def _job_pids() -> list[int]:
+    """This driver and every process it started (GCS, raylet, agents, workers: all its descendants)."""
+    import importlib
+
+    psutil = importlib.import_module("psutil")  # Ray's, on sys.path since the cluster started
+    driver = psutil.Process()
+    return [driver.pid, *(child.pid for child in driver.children(recursive=True))]
+
+
+@pytest.mark.ray
+def test_embedded_job_listens_on_loopback_only(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    import ray
+
+    from psrec.train.runtime import RayRuntime
+
+    config = small_run_config(
+        synthetic_sources, tmp_path / "run", **{"ps.runtime": "ray", "ps.num_trainers": 2}
+    )
+    runtime = RayRuntime(config, base_dir=str(tmp_path), data_sources=synthetic_sources)
+    try:
+        actors = ray.get([a.pid.remote() for a in [*runtime.trainers, *runtime.shards]])
+        pids = _job_pids()
+        assert set(actors) <= set(pids)
+        sockets = listening_sockets(pids)
+        assert {pid for pid, *_ in sockets} >= set(actors)  # every actor serves (its core worker)
+        outside = [s for s in sockets if not is_loopback(s[2])]
+        assert not outside, f"listening beyond loopback (pid, protocol, address, port): {outside}"
+    finally:
+        runtime.shutdown()
