@@ -6,14 +6,18 @@
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
     psrec bench --report out.json --profile                # print a saved report again
 
-Systems: a pytorch, b torchrec, c psrec + psrec-bf16, d psrec-ray, e ceiling + ceiling-bf16; extras:
-psrec-bf16-compile + ceiling-bf16-compile (torch.compile of the dense model, `training.compile`),
-psrec-ray-1x1, psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
+Systems: a pytorch + pytorch-bf16, b torchrec + torchrec-bf16, c psrec + psrec-bf16, d psrec-ray,
+e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wise Adagrad, as psrec
+and TorchRec), torchrec-fp16rows (fp16 tables, beside psrec-fp16rows), psrec-bf16-compile +
+ceiling-bf16-compile (torch.compile of the dense model, `training.compile`), psrec-ray-1x1,
+psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
 `populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
-pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process). "of ceil" divides by
-the dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one).
+pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process). Every ratio is taken
+between equal precisions: "x pytorch" of a bf16 system divides by pytorch-bf16, "of ceil" by the
+dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one);
+only "x fp32*" crosses precisions (over the same system in fp32) and says so.
 """
 
 from __future__ import annotations
@@ -101,28 +105,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _number(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """`value` formatted with `spec` ("9.2f"); "-" at the same width when there is none."""
+    return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
 
 
 def format_table(report: dict[str, Any]) -> str:
+    """The bench's table: every ratio between equal precisions, except "x fp32*", which is marked."""
     workload, machine = report["workload"], report["machine"]
     lines = [
         f"DLRM dim {workload['dim']}, batch {workload['batch_size']}, {workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
         f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
-        "wall: median samples/s and within-round ratios (of ceil: to the ceiling at the same precision "
-        "and compile); cpu: samples per CPU-second (all threads and processes) and its ratios; "
-        "best: fastest step (psrec: warm-up-sized chunk) of all rounds",
-        f"{'system':20s} {'samples/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'x psrec':>7s} "
+        "wall: median samples/s and within-round ratios, each to the system of that kind at the same "
+        "precision ('-': none ran; of ceil: to the ceiling at the same precision and compile); "
+        "x fp32*: CROSS-PRECISION, over the same system in fp32; cpu: samples per CPU-second (all "
+        "threads and processes) and its ratios; best: fastest step (psrec: warm-up-sized chunk) of all "
+        "rounds; val AUC: every embedding system gives each id its own row",
+        f"{'system':20s} {'precision':15s} {'samples/s':>9s} {'x pytorch':>9s} {'x torchrec':>10s} "
+        f"{'of ceil':>7s} {'x psrec':>7s} {'x fp32*':>7s} "
         f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'best':>7s} "
         f"{'peak RSS':>8s} {'val AUC':>7s}  status",
     ]
     for row in report["rows"]:
         rss = row["peak_rss_bytes"]
         lines.append(
-            f"{row['system']:20s} {_number(row['samples_per_second'], '9.0f')} "
-            f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row['fraction_of_ceiling'], '7.2f')} "
-            f"{_number(row['ratio_to_psrec'], '7.2f')} "
+            f"{row['system']:20s} {row.get('precision', '?'):15s} {_number(row['samples_per_second'], '9.0f')} "
+            f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row.get('ratio_to_torchrec'), '10.2f')} "
+            f"{_number(row['fraction_of_ceiling'], '7.2f')} {_number(row['ratio_to_psrec'], '7.2f')} "
+            f"{_cross(row.get('ratio_to_fp32'))} "
             f"{_number(row.get('samples_per_cpu_second'), '9.0f')} "
             f"{_number(row.get('cpu_ratio_to_pytorch'), '9.2f')} "
             f"{_number(row.get('cpu_fraction_of_ceiling'), '7.2f')} "
@@ -131,6 +141,11 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['status']}"
         )
     return "\n".join(lines)
+
+
+def _cross(value: float | None) -> str:
+    """A cross-precision ratio, marked with '*' (see the table's legend)."""
+    return f"{'-':>7s}" if value is None else f"{value:6.2f}*"
 
 
 PHASES = (
@@ -153,9 +168,9 @@ def format_profile(report: dict[str, Any]) -> str:
     if not rows:
         return "no psrec system ran: nothing to profile"
     lines = [
-        "psrec per-step phases, ms (last round, timed steps; 'plan' = waiting for the next batch, read and planned "
-        "meanwhile; 'plan_overlapped' = the planner's own time; 'other' = driver between phases; forward includes "
-        "pooling)",
+        "psrec per-step phases, ms (last round, timed steps; 'plan' = waiting for the next batch, read and "
+        "planned meanwhile; 'plan_overlapped' = the planner's own time; 'other' = driver between phases and "
+        "between chunks; forward includes pooling)",
         f"{'system':20s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
     ]
     for row in rows:

@@ -33,7 +33,6 @@ from psrec.bench.workload import Workload, prepare_sources
 
 logger = logging.getLogger(__name__)
 
-BASELINE = "pytorch"
 CEILING = "ceiling"
 
 
@@ -49,19 +48,87 @@ class System:
     env: tuple[tuple[str, str], ...] = ()
     # The dense-only ceiling at the same settings (precision, compile): "of ceil" divides by it.
     ceiling: str = CEILING
+    # The numbers it computes in: the dense model's precision, then any reduced storage or wire
+    # ("fp32", "bf16", "fp32, fp16 rows"). Ratios to PyTorch, TorchRec and psrec are taken only
+    # between systems of equal precision (`REFERENCES`).
+    precision: str = "fp32"
+    # The same system in fp32 throughout: "x fp32", the one figure that crosses precisions.
+    fp32_twin: str | None = None
+
+    @property
+    def dense_precision(self) -> str:
+        return self.precision.split(",")[0]
 
 
 def _in_process(
-    name: str, label: str, ceiling: str = CEILING, *, options: PsrecOptions | None = None
+    name: str,
+    label: str,
+    ceiling: str = CEILING,
+    *,
+    options: PsrecOptions | None = None,
+    fp32_twin: str | None = None,
 ) -> System:
     """A psrec system on the in-process runtime with 1 local shard, trained with `options`."""
     run = partial(psrec_systems.run_psrec, layout=PsrecLayout("local", num_shards=1), options=options)
-    return System(name, label, run, ceiling=ceiling)
+    return System(
+        name,
+        label,
+        run,
+        ceiling=ceiling,
+        precision=_precision(options or PsrecOptions()),
+        fp32_twin=fp32_twin,
+    )
+
+
+def _precision(options: PsrecOptions) -> str:
+    """`System.precision` of a psrec system: the dense precision, then reduced rows or wire."""
+    parts = [options.dense_precision]
+    if options.row_precision != "fp32":
+        parts.append(f"{options.row_precision} rows")
+    if options.wire_precision != "fp32":
+        parts.append(f"{options.wire_precision} wire")
+    return ", ".join(parts)
 
 
 _SYSTEMS = [
     System("pytorch", "(a) plain PyTorch (EmbeddingBag + Adagrad)", torch_systems.run_pytorch),
+    System(
+        "pytorch-bf16",
+        "(a) plain PyTorch, bf16 autocast",
+        partial(torch_systems.run_pytorch, bf16=True),
+        ceiling="ceiling-bf16",
+        precision="bf16",
+        fp32_twin="pytorch",
+    ),
+    System(
+        "pytorch-rowwise",
+        "(a) plain PyTorch, row-wise Adagrad (as psrec and TorchRec)",
+        partial(torch_systems.run_pytorch, rowwise=True),
+    ),
+    System(
+        "pytorch-bf16-rowwise",
+        "(a) plain PyTorch, bf16 autocast, row-wise Adagrad",
+        partial(torch_systems.run_pytorch, bf16=True, rowwise=True),
+        ceiling="ceiling-bf16",
+        precision="bf16",
+        fp32_twin="pytorch-rowwise",
+    ),
     System("torchrec", "(b) TorchRec fused EBC, row-wise Adagrad", torch_systems.run_torchrec),
+    System(
+        "torchrec-bf16",
+        "(b) TorchRec fused EBC, bf16 autocast (fp32 tables)",
+        partial(torch_systems.run_torchrec, bf16=True),
+        ceiling="ceiling-bf16",
+        precision="bf16",
+        fp32_twin="torchrec",
+    ),
+    System(
+        "torchrec-fp16rows",
+        "(b) TorchRec fused EBC, fp16 tables (data_type FP16)",
+        partial(torch_systems.run_torchrec, fp16_rows=True),
+        precision="fp32, fp16 rows",
+        fp32_twin="torchrec",
+    ),
     _in_process("psrec", "(c) psrec in-process (1 local shard)"),
     System(
         "psrec-ray",
@@ -73,6 +140,7 @@ _SYSTEMS = [
         "(c) psrec in-process, bf16 dense",
         "ceiling-bf16",
         options=PsrecOptions(dense_precision="bf16"),
+        fp32_twin="psrec",
     ),
     _in_process(
         "psrec-bf16-compile",
@@ -85,6 +153,7 @@ _SYSTEMS = [
         "(c) psrec in-process, bf16 dense, rows in memory (cache_data, epoch 2)",
         "ceiling-bf16",
         options=PsrecOptions(dense_precision="bf16", cache_data=True),
+        fp32_twin="psrec-cached",
     ),
     _in_process(
         "psrec-bf16-compile-cached",
@@ -102,6 +171,7 @@ _SYSTEMS = [
         "(c) psrec in-process, bf16 dense, prepared Parquet (psrec data convert --prepared)",
         "ceiling-bf16",
         options=PsrecOptions(dense_precision="bf16", prepared=True),
+        fp32_twin="psrec-prepared",
     ),
     _in_process(
         "psrec-bf16-compile-prepared",
@@ -124,12 +194,15 @@ _SYSTEMS = [
         "(e) dense-only ceiling bf16",
         partial(torch_systems.run_ceiling, bf16=True),
         ceiling="ceiling-bf16",
+        precision="bf16",
+        fp32_twin="ceiling",
     ),
     System(
         "ceiling-bf16-compile",
         "(e) dense-only ceiling bf16, torch.compile",
         partial(torch_systems.run_ceiling, bf16=True, compile_model=True),
         ceiling="ceiling-bf16-compile",
+        precision="bf16",
     ),
     # Extra layouts and settings (scaling model, thread experiments); not in the default set.
     System(
@@ -170,16 +243,20 @@ _SYSTEMS = [
         partial(
             psrec_systems.run_psrec, layout=PsrecLayout("ray"), options=PsrecOptions(wire_precision="fp16")
         ),
+        precision="fp32, fp16 wire",
+        fp32_twin="psrec-ray",
     ),
     _in_process(
         "psrec-fp16rows",
         "psrec in-process, fp16 table rows (precision: fp16)",
         options=PsrecOptions(row_precision="fp16"),
+        fp32_twin="psrec",
     ),
     _in_process(
         "psrec-int8rows",
         "psrec in-process, int8 table rows (precision: int8)",
         options=PsrecOptions(row_precision="int8"),
+        fp32_twin="psrec",
     ),
     System(
         "psrec-bf16-grow",
@@ -190,6 +267,7 @@ _SYSTEMS = [
             options=PsrecOptions(dense_precision="bf16", reserve=False),
         ),
         ceiling="ceiling-bf16",
+        precision="bf16",
     ),
     System(
         "psrec-t1",
@@ -198,14 +276,41 @@ _SYSTEMS = [
     ),
 ]
 SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}
+# "x pytorch", "x torchrec" and "x psrec" divide by the system of that kind at the same precision,
+# and show "-" where none ran: a bf16 system is never divided by an fp32 baseline.
+REFERENCES: dict[str, dict[str, str]] = {
+    "pytorch": {"fp32": "pytorch", "bf16": "pytorch-bf16"},
+    "torchrec": {"fp32": "torchrec", "bf16": "torchrec-bf16", "fp32, fp16 rows": "torchrec-fp16rows"},
+    "psrec": {
+        "fp32": "psrec",
+        "bf16": "psrec-bf16",
+        "fp32, fp16 rows": "psrec-fp16rows",
+        "fp32, int8 rows": "psrec-int8rows",
+    },
+}
 ALIASES: dict[str, list[str]] = {
-    "a": ["pytorch"],
-    "b": ["torchrec"],
+    "a": ["pytorch", "pytorch-bf16"],
+    "b": ["torchrec", "torchrec-bf16"],
     "c": ["psrec", "psrec-bf16"],
     "d": ["psrec-ray"],
     "e": ["ceiling", "ceiling-bf16"],
 }
-DEFAULT_SYSTEMS = ["pytorch", "torchrec", "psrec", "psrec-bf16", "psrec-ray", "ceiling", "ceiling-bf16"]
+DEFAULT_SYSTEMS = [
+    "pytorch",
+    "pytorch-bf16",
+    "torchrec",
+    "torchrec-bf16",
+    "psrec",
+    "psrec-bf16",
+    "psrec-ray",
+    "ceiling",
+    "ceiling-bf16",
+]
+
+
+def reference(name: str, kind: str) -> str | None:
+    """The system of `kind` ("pytorch", "torchrec", "psrec") at `name`'s precision, if there is one."""
+    return REFERENCES[kind].get(SYSTEMS[name].precision)
 
 
 def resolve_systems(spec: str | list[str]) -> list[str]:
@@ -302,10 +407,14 @@ def _median(values: list[float]) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, Any]]:
-    """One row per system: median samples/s, median within-round ratios to the baseline and ceiling.
+    """One row per system: median samples/s, median within-round ratios to the baselines and ceiling.
 
-    The ceiling of a system is the dense-only ceiling at its settings (`System.ceiling`: bf16 systems
-    against "ceiling-bf16", compiled ones against the compiled ceiling), "-" when that one did not run.
+    Ratios are taken only between equal precisions: "x pytorch", "x torchrec" and "x psrec" divide by
+    that kind's system at the same precision (`reference`), and the ceiling of a system is the
+    dense-only ceiling at its settings (`System.ceiling`: bf16 systems against "ceiling-bf16",
+    compiled ones against the compiled ceiling); each is None when that system did not run. The one
+    cross-precision figure, `ratio_to_fp32`, divides by the system's fp32 twin (`System.fp32_twin`:
+    psrec-bf16 by psrec) and is labelled as such wherever it is shown.
 
     Alongside, the same per CPU-second (CPU time of every thread and process of the system, so a
     system using 2 cores for a step counts twice) and the best step rate over all rounds: on a
@@ -318,8 +427,10 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
     def rate(run: dict[str, Any] | None, key: str = "samples_per_second") -> float | None:
         return None if run is None or key not in run else float(run[key])
 
-    def ratios(name: str, target: str, key: str) -> list[float]:
-        out = []
+    def ratios(name: str, target: str | None, key: str) -> list[float]:
+        out: list[float] = []
+        if target is None:
+            return out
         for per_system in by_round.values():
             value, reference = rate(per_system.get(name), key), rate(per_system.get(target), key)
             if value is not None and reference:
@@ -328,7 +439,9 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
 
     rows = []
     for name in systems:
-        ceiling = SYSTEMS[name].ceiling
+        system = SYSTEMS[name]
+        ceiling = system.ceiling
+        pytorch, torchrec, psrec = (reference(name, kind) for kind in ("pytorch", "torchrec", "psrec"))
         mine = [r for r in runs if r["system"] == name]
         rates = [v for v in (rate(r) for r in mine) if v is not None]
         cpu_rates = [v for v in (rate(r, "samples_per_cpu_second") for r in mine) if v is not None]
@@ -337,15 +450,19 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
         last = next((r for r in reversed(mine) if "samples_per_second" in r), None)
         row: dict[str, Any] = {
             "system": name,
-            "label": SYSTEMS[name].label,
+            "label": system.label,
+            "precision": system.precision,
             "samples_per_second": _median(rates),
             "samples_per_second_all": rates,
-            "ratio_to_pytorch": _median(ratios(name, BASELINE, "samples_per_second")),
+            "ratio_to_pytorch": _median(ratios(name, pytorch, "samples_per_second")),
+            "ratio_to_torchrec": _median(ratios(name, torchrec, "samples_per_second")),
             "fraction_of_ceiling": _median(ratios(name, ceiling, "samples_per_second")),
-            "ratio_to_psrec": _median(ratios(name, "psrec", "samples_per_second")),
+            "ratio_to_psrec": _median(ratios(name, psrec, "samples_per_second")),
+            # Cross-precision: over the same system in fp32 (psrec-bf16 / psrec), labelled so.
+            "ratio_to_fp32": _median(ratios(name, system.fp32_twin, "samples_per_second")),
             # Load-robust companions: samples per CPU-second, and the best step (chunk) seen.
             "samples_per_cpu_second": _median(cpu_rates),
-            "cpu_ratio_to_pytorch": _median(ratios(name, BASELINE, "samples_per_cpu_second")),
+            "cpu_ratio_to_pytorch": _median(ratios(name, pytorch, "samples_per_cpu_second")),
             "cpu_fraction_of_ceiling": _median(ratios(name, ceiling, "samples_per_cpu_second")),
             "best_step_samples_per_second": max(best) if best else None,
             "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in mine), default=0) or None,
@@ -374,7 +491,8 @@ def step_profile(run: dict[str, Any]) -> dict[str, float]:
     """psrec's per-phase milliseconds per step of the timed steps (all steps, warm-up included, for
     runs saved before the timed window was recorded) plus the untimed rest.
 
-    "other" is the driver's training time not in any phase: the chunk's end, Python between phases.
+    "other" is the timed window's time not in any phase: the chunk's end, Python between phases, the
+    driver's work between chunks.
     """
     if run.get("timed_steps"):
         steps, phases, seconds = int(run["timed_steps"]), run["timed_phase_seconds"], run["timed_seconds"]

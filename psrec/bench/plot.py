@@ -65,7 +65,7 @@ def plot_throughput(reports: list[dict[str, Any]], path: str | Path) -> Path:
     workload, machine = reports[0]["workload"], reports[0]["machine"]
     figure.suptitle(
         f"psrec bench: DLRM, batch {workload['batch_size']}, {machine['cores']} shared cores "
-        f"(load ~{machine['load_average'][0]:.0f}); labels: x plain PyTorch, same round",
+        f"(load ~{machine['load_average'][0]:.0f}); labels: x plain PyTorch at the same precision, same round",
         fontsize=9,
     )
     figure.tight_layout()

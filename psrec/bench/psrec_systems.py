@@ -2,10 +2,13 @@
 
 The run config is built in code (`bench_config`) from the `Workload`: DLRM 13-512-256-D / 512-256-1,
 row-wise Adagrad tables, Adam for the MLPs, batch 4096, checkpoints off. Steps run in chunks of
-`warmup_steps` (the driver's `log_every_steps`); the progress report after each chunk gives the
-driver's cumulative training seconds, so the rate of the chunks after the first one is the timed rate
-(with `training.compile`, the first, untimed chunk holds the compile; every timed batch is full, so
-none recompiles).
+`warmup_steps` (the driver's `log_every_steps`); the bench stamps the clock when the driver reports
+progress after each chunk, and the timed window runs from the report of the first (warm-up) chunk to
+the last report (with `training.compile`, the first, untimed chunk holds the compile; every timed
+batch is full, so none recompiles). The window holds everything psrec does between those steps, the
+driver's work between chunks included (absorbing results, metrics, the report itself); only the
+bench's own bookkeeping in the progress callback is taken out of it. `timed_train_steps_seconds`
+keeps the driver's own training time of the window (its `runtime.train_steps` calls alone).
 psrec reads and hashes its batches inside that time (the reader's prefetch thread), which the
 PyTorch-only systems do not: they load their batches before timing. The `*-cached` systems compare
 like for like: `training.cache_data` with two epochs, the first untimed, so the timed steps train
@@ -142,30 +145,78 @@ def epoch_steps(workload: Workload) -> int:
     return -(-workload.train_rows // workload.batch_size)
 
 
+class ProgressClock:
+    """The bench's progress callback: stamps each driver report with the wall clock and CPU seconds.
+
+    `clock` and `cpu` are taken when the report arrives, less the time and CPU this callback spent on
+    earlier reports (reading the actors' CPU time scans /proc), so that the bench's bookkeeping is
+    not charged to psrec while all of the driver's own work is. `cpu` adds the psrec actors' CPU
+    seconds when `actors` is set (Ray runs).
+    """
+
+    def __init__(self, *, actors: bool = False) -> None:
+        self.actors = actors
+        self.reports: list[dict[str, Any]] = []
+        self._own_seconds = 0.0
+        self._own_cpu = 0.0
+
+    def __call__(self, report: dict[str, Any]) -> None:
+        arrived, cpu = time.perf_counter(), time.process_time()
+        actors = sum(process_cpu_seconds(pid) for pid in _actor_pids()) if self.actors else 0.0
+        self.reports.append(
+            {**report, "clock": arrived - self._own_seconds, "cpu": cpu + actors - self._own_cpu}
+        )
+        self._own_seconds += time.perf_counter() - arrived
+        self._own_cpu += time.process_time() - cpu
+
+
 def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int = 0) -> dict[str, Any]:
     """Rate of the chunks after the first (warm-up) one, from cumulative progress reports.
 
-    Each report carries the driver's cumulative samples and samples/s (hence training seconds) and
-    the CPU seconds used so far by this process and the psrec actors (`cpu`, added by the bench).
-    Reports of epochs before `from_epoch` are left out.
+    Each report carries the driver's cumulative samples, steps, phase seconds and samples/s (hence
+    its training seconds: `runtime.train_steps` alone) and, added by the bench (`ProgressClock`),
+    the wall clock (`clock`) and the CPU seconds used so far by this process and the psrec actors
+    (`cpu`) when it arrived. The timed seconds are wall-clock seconds between two reports, so they
+    include the driver's work between chunks. Reports of epochs before `from_epoch` are left out.
+    Without a warm-up the first kept chunk is timed too: its start is estimated from its training
+    seconds, and its CPU seconds are known only from an earlier report.
     """
-    reports = [report for report in reports if report.get("epoch", 0) >= from_epoch] or reports
-    points = [(r["samples"], r["samples"] / max(r["samples_per_second"], 1e-12), r["cpu"]) for r in reports]
-    first = points[0] if has_warmup and len(points) > 1 else (0, 0.0, points[0][2])
-    samples, seconds, cpu = (points[-1][i] - first[i] for i in range(3))
-    start: dict[str, Any] = reports[0] if has_warmup and len(reports) > 1 else {"step": 0}
-    phases: dict[str, float] = reports[-1].get("phase_seconds", {})
+    kept = next((i for i, report in enumerate(reports) if report.get("epoch", 0) >= from_epoch), 0)
+
+    def trained(report: dict[str, Any]) -> float:
+        return (
+            float(report["samples"]) / max(report["samples_per_second"], 1e-12) if report["samples"] else 0.0
+        )
+
+    timed = reports[kept:]
+    if has_warmup and len(timed) > 1:
+        start = timed[0]
+    else:
+        start = reports[kept - 1] if kept else {"samples": 0, "step": 0, "samples_per_second": 1.0}
+        start = {**start, "clock": timed[0]["clock"] - (trained(timed[0]) - trained(start))}
+        start.setdefault("cpu", None)
+    if start["cpu"] is None and len(timed) > 1:  # no report before the first chunk: CPU after it
+        cpu_samples, cpu = timed[-1]["samples"] - timed[0]["samples"], timed[-1]["cpu"] - timed[0]["cpu"]
+    elif start["cpu"] is None:  # one chunk in all: CPU since the process started
+        cpu_samples, cpu = timed[0]["samples"], timed[0]["cpu"]
+    else:
+        cpu_samples, cpu = timed[-1]["samples"] - start["samples"], timed[-1]["cpu"] - start["cpu"]
+    samples, seconds = timed[-1]["samples"] - start["samples"], timed[-1]["clock"] - start["clock"]
+    phases: dict[str, float] = timed[-1].get("phase_seconds", {})
     before: dict[str, float] = start.get("phase_seconds", {})
+    window = [start, *(timed[1:] if start is timed[0] else timed)]
     chunk_rates = [
-        (b[0] - a[0]) / max(b[1] - a[1], 1e-12) for a, b in zip(points, points[1:], strict=False)
-    ] or [samples / max(seconds, 1e-12)]
+        (b["samples"] - a["samples"]) / max(b["clock"] - a["clock"], 1e-12)
+        for a, b in zip(window, window[1:], strict=False)
+    ]
     return {
         "samples_per_second": samples / max(seconds, 1e-12),
-        "samples_per_cpu_second": samples / max(cpu, 1e-9),
+        "samples_per_cpu_second": cpu_samples / max(cpu, 1e-9),
         "best_step_samples_per_second": max(chunk_rates),
         "timed_seconds": seconds,
+        "timed_train_steps_seconds": trained(timed[-1]) - trained(start),
         "timed_samples": samples,
-        "timed_steps": reports[-1]["step"] - start["step"],
+        "timed_steps": timed[-1]["step"] - start["step"],
         "timed_phase_seconds": {phase: value - before.get(phase, 0.0) for phase, value in phases.items()},
     }
 
@@ -244,11 +295,7 @@ def run_psrec(
     options = options or PsrecOptions()
     runtime = layout.runtime
     set_threads(layout.trainer_threads or workload.threads)
-    reports: list[dict[str, Any]] = []
-
-    def progress(report: dict[str, Any]) -> None:
-        actors = sum(process_cpu_seconds(pid) for pid in _actor_pids()) if runtime == "ray" else 0.0
-        reports.append({**report, "cpu": time.process_time() + actors})
+    progress = ProgressClock(actors=runtime == "ray")
 
     with tempfile.TemporaryDirectory(prefix="psrec-bench-") as tmp:
         config = parse_config(
@@ -283,7 +330,7 @@ def run_psrec(
             summary = train(config, progress=progress, resume=False)
             actors_rss = 0
     result: dict[str, Any] = _timed_rate(
-        reports, workload.warmup_steps > 0, from_epoch=int(options.cache_data)
+        progress.reports, workload.warmup_steps > 0, from_epoch=int(options.cache_data)
     )
     result.update(
         auc=summary.get("validation", {}).get("auc"),

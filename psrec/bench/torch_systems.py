@@ -1,19 +1,26 @@
 """The systems of `psrec bench` that are plain PyTorch programs (no psrec runtime).
 
-- `run_pytorch`: (a) the baseline a user would write: one ``nn.EmbeddingBag(sparse=True)`` per table
-  (ids hashed into the table with ``%``), ``torch.optim.Adagrad`` on the tables, ``Adam`` on the MLPs.
+- `run_pytorch`: (a) the baseline a user would write: one ``nn.EmbeddingBag(sparse=True)`` per table,
+  ``torch.optim.Adagrad`` (one accumulator per element) on the tables, or with ``rowwise=True`` the
+  row-wise Adagrad that psrec and TorchRec use (`RowWiseAdagrad`), ``Adam`` on the MLPs; fp32, or
+  with ``bf16=True`` the forward under bf16 autocast (tables and optimizer states stay fp32).
 - `run_torchrec`: (b) TorchRec's ``FusedEmbeddingBagCollection`` (FBGEMM's batched tables, exact
   row-wise Adagrad fused into backward), when ``torchrec`` + ``fbgemm-gpu-cpu`` import; an optional
-  extra, never a psrec dependency: without it the system reports ``skipped: <reason>``.
+  extra, never a psrec dependency: without it the system reports ``skipped: <reason>``. ``bf16=True``
+  runs the dense model under bf16 autocast (fp32 tables, as psrec's bf16 systems); ``fp16_rows=True``
+  stores the tables in fp16 (``EmbeddingBagConfig.data_type``), skipped where TorchRec ignores it.
 - `run_ceiling`: (e) the dense-only ceiling: the same DLRM fed embedding rows that are already pooled
   (random (B, F, D) tensors), so only MLPs + interaction + Adam run (backward includes the gradient of
   those rows, which any embedding system needs) — in fp32 or under bf16 autocast,
   eager or compiled as psrec's `training.compile` does (`compile_dense_model`). No embedding system
   can beat it on this machine at the same settings.
 
-Each takes a `Workload` and the data sources and returns a result dict (see `timed_loop`). All
-inputs are turned into tensors before timing starts; `workload.warmup_steps` untimed steps come first
-(a compiled model compiles in the first of them).
+The fixed-size tables of (a) and (b) get one row per distinct id (`assign_rows`), as psrec's hash
+tables do, instead of ``ids % size``, whose collisions make distinct ids share a row (as many ids as
+rows leave 37% of the rows unused) and cost AUC that psrec does not pay. Each takes a `Workload` and
+the data sources and returns a result dict (see `timed_loop`). All inputs are turned into tensors
+(ids into row numbers) before timing starts; `workload.warmup_steps` untimed steps come first (a
+compiled model compiles in the first of them).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -67,15 +74,40 @@ def _evaluate(predict: Callable[[TensorBatch], torch.Tensor], batches: list[Tens
     return auc(np.concatenate(labels), np.concatenate(scores))
 
 
-def _inputs(workload: Workload, sources: dict[str, Any]) -> tuple[list[TensorBatch], list[TensorBatch]]:
+def assign_rows(splits: list[list[TensorBatch]], minimum_sizes: list[int]) -> list[int]:
+    """Give every distinct id of a feature its own row: rewrite the batches' ids (in place) as row numbers.
+
+    Row numbers follow the sorted distinct ids of the feature over all `splits` (train and
+    validation), so no two ids share a row, as in psrec's hash tables (an id seen only in validation
+    keeps its initial row there too). Returns the table sizes: the number of distinct ids, or
+    `minimum_sizes` where larger (the fixed-size systems allocate the rows psrec reserves).
+
+        >>> batch = TensorBatch(dense, labels, ids=[torch.tensor([7, 107, 7])], offsets=..., lengths=...)
+        >>> assign_rows([[batch]], [100]), batch.ids[0]       # 7 and 107 collide under `% 100`
+        ([100], tensor([0, 1, 0]))
+    """
+    batches = [batch for split in splits for batch in split]
+    sizes = []
+    for feature, minimum in enumerate(minimum_sizes):
+        distinct = torch.unique(torch.cat([batch.ids[feature] for batch in batches]))  # sorted
+        for batch in batches:
+            batch.ids[feature] = torch.searchsorted(distinct, batch.ids[feature])
+        sizes.append(max(minimum, int(distinct.numel())))
+    return sizes
+
+
+def _inputs(
+    workload: Workload, sources: dict[str, Any]
+) -> tuple[list[TensorBatch], list[TensorBatch], list[int]]:
+    """Train and validation batches with ids as row numbers (`assign_rows`), and the table sizes."""
     train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=workload.total_steps)
     validation = load_batches(sources["validation"], batch_size=16384) if "validation" in sources else []
-    return train, validation
+    return train, validation, assign_rows([train, validation], workload.table_sizes())
 
 
 # -- (a) plain PyTorch ----------------------------------------------------------------------------
 class PlainEmbeddings(nn.Module):
-    """One EmbeddingBag per table; ids hashed into the table with a modulo, as users do."""
+    """One EmbeddingBag per table, fed row numbers (`assign_rows`); ids past a table wrap with `%`."""
 
     def __init__(self, sizes: list[int], dim: int, init_scale: float) -> None:
         super().__init__()
@@ -93,26 +125,80 @@ class PlainEmbeddings(nn.Module):
         return torch.stack(pooled, dim=1)  # (B, F, D)
 
 
-def run_pytorch(workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad in plain PyTorch, the rule of psrec's ``rowwise_adagrad`` and FBGEMM's::
+
+        a[r] += mean_j(g[r, j] ** 2);   w[r] -= lr * g[r] / (sqrt(a[r]) + eps)
+
+    with one float32 accumulator per row (``torch.optim.Adagrad`` keeps one per element). A sparse
+    gradient's duplicate rows are summed first (``coalesce``), as psrec's push sums duplicate ids; a
+    dense gradient steps every row.
+    """
+
+    def __init__(self, params: Any, *, lr: float, eps: float = 1e-8) -> None:
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for weight in group["params"]:
+                if weight.grad is None:
+                    continue
+                state = self.state[weight]
+                if "accumulator" not in state:
+                    state["accumulator"] = torch.zeros(weight.shape[0], dtype=torch.float32)
+                accumulator = state["accumulator"]
+                grad = weight.grad
+                if grad.is_sparse:
+                    grad = grad.coalesce()
+                    rows, values = grad.indices()[0], grad.values()  # (n,), (n, D)
+                else:
+                    rows, values = torch.arange(weight.shape[0]), grad
+                touched = accumulator[rows] + values.float().square().mean(dim=1)  # (n,)
+                accumulator[rows] = touched
+                scale = -group["lr"] / (touched.sqrt() + group["eps"])
+                weight.index_add_(0, rows, (values * scale.unsqueeze(1)).to(weight.dtype))
+        return loss
+
+
+def run_pytorch(
+    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, rowwise: bool = False
+) -> dict[str, Any]:
     set_threads(workload.threads)
     torch.manual_seed(workload.seed)
     model = build_dlrm(workload)  # first after seeding: the same dense init as psrec's trainer
-    train, validation = _inputs(workload, sources)
-    embeddings = PlainEmbeddings(workload.table_sizes(), workload.dim, workload.init_scale)
-    sparse_optimizer = torch.optim.Adagrad(embeddings.parameters(), lr=workload.sparse_lr)
+    train, validation, sizes = _inputs(workload, sources)
+    embeddings = PlainEmbeddings(sizes, workload.dim, workload.init_scale)
+    sparse_optimizer: torch.optim.Optimizer = (
+        RowWiseAdagrad(embeddings.parameters(), lr=workload.sparse_lr)
+        if rowwise
+        else torch.optim.Adagrad(embeddings.parameters(), lr=workload.sparse_lr)
+    )
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
 
     def step(batch: TensorBatch) -> None:
-        loss, _ = model.loss(ModelInput(batch.dense, embeddings(batch)), batch.labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model.loss(ModelInput(batch.dense, embeddings(batch)), batch.labels)
         sparse_optimizer.zero_grad()
         dense_optimizer.zero_grad()
-        loss.backward()
+        loss.float().backward()
         sparse_optimizer.step()
         dense_optimizer.step()
 
+    def predict(batch: TensorBatch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model.predict(ModelInput(batch.dense, embeddings(batch)))
+
     result = timed_loop(workload, train, step)
     model.eval()
-    result["auc"] = _evaluate(lambda b: model.predict(ModelInput(b.dense, embeddings(b))), validation)
+    result["auc"] = _evaluate(predict, validation)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 
@@ -129,20 +215,21 @@ def torchrec_unavailable() -> str | None:
     return None
 
 
-def run_torchrec(workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
+def run_torchrec(
+    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, fp16_rows: bool = False
+) -> dict[str, Any]:
     reason = torchrec_unavailable()
     if reason is not None:
         return {"skipped": reason}
     import torchrec
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     set_threads(workload.threads)
     torch.manual_seed(workload.seed)
     model = build_dlrm(workload)  # first after seeding: the same dense init as psrec's trainer
-    train, validation = _inputs(workload, sources)
-    sizes = workload.table_sizes()
+    train, validation, sizes = _inputs(workload, sources)
     keys = [f"C{i + 1}" for i in range(len(sizes))]
     scale = workload.init_scale
     tables = [
@@ -152,6 +239,7 @@ def run_torchrec(workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
             num_embeddings=size,
             feature_names=[key],
             pooling=PoolingType.SUM,
+            data_type=DataType.FP16 if fp16_rows else DataType.FP32,
             init_fn=lambda weight: nn.init.uniform_(weight, -scale, scale),
         )
         for key, size in zip(keys, sizes, strict=True)
@@ -162,23 +250,32 @@ def run_torchrec(workload: Workload, sources: dict[str, Any]) -> dict[str, Any]:
         optimizer_kwargs={"lr": workload.sparse_lr},
         device=torch.device("cpu"),
     )
+    table_dtypes = {weight.dtype for weight in collection.parameters()}
+    if fp16_rows and table_dtypes != {torch.float16}:
+        return {
+            "skipped": f"this TorchRec keeps its fused tables in {table_dtypes} (data_type FP16 not applied)"
+        }
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
-    size_tensors = [torch.tensor(size) for size in sizes]
 
     def pooled(batch: TensorBatch) -> torch.Tensor:
-        values = torch.cat([ids % size for ids, size in zip(batch.ids, size_tensors, strict=True)])
+        values = torch.cat(batch.ids)  # row numbers (`assign_rows`)
         features = KeyedJaggedTensor.from_lengths_sync(keys, values, torch.cat(batch.lengths))
         return collection(features).values().view(batch.batch_size, len(keys), workload.dim)  # (B, F, D)
 
     def step(batch: TensorBatch) -> None:
-        loss, _ = model.loss(ModelInput(batch.dense, pooled(batch)), batch.labels)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = model.loss(ModelInput(batch.dense, pooled(batch)), batch.labels)
         dense_optimizer.zero_grad()
-        loss.backward()  # the row-wise Adagrad update of the tables runs inside backward
+        loss.float().backward()  # the row-wise Adagrad update of the tables runs inside backward
         dense_optimizer.step()
+
+    def predict(batch: TensorBatch) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            return model.predict(ModelInput(batch.dense, pooled(batch)))
 
     result = timed_loop(workload, train, step)
     model.eval()
-    result["auc"] = _evaluate(lambda b: model.predict(ModelInput(b.dense, pooled(b))), validation)
+    result["auc"] = _evaluate(predict, validation)
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
 

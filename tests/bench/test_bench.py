@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from psrec.bench import cli as commands
-from psrec.bench.harness import DEFAULT_SYSTEMS, resolve_systems, run_bench, step_profile, summarize
+from psrec.bench.harness import (
+    DEFAULT_SYSTEMS,
+    REFERENCES,
+    SYSTEMS,
+    reference,
+    resolve_systems,
+    run_bench,
+    step_profile,
+    summarize,
+)
 from psrec.bench.psrec_systems import _timed_rate, epoch_steps
 from psrec.bench.workload import Workload
 
@@ -31,8 +40,16 @@ def tiny_workload(cache: Path) -> Workload:
 
 
 def test_resolve_systems_expands_letters_and_rejects_unknown() -> None:
-    assert resolve_systems("a,c,e") == ["pytorch", "psrec", "psrec-bf16", "ceiling", "ceiling-bf16"]
-    assert resolve_systems("a,pytorch") == ["pytorch"]
+    assert resolve_systems("a,c,e") == [
+        "pytorch",
+        "pytorch-bf16",
+        "psrec",
+        "psrec-bf16",
+        "ceiling",
+        "ceiling-bf16",
+    ]
+    assert resolve_systems("a,pytorch") == ["pytorch", "pytorch-bf16"]
+    assert resolve_systems("pytorch,a") == ["pytorch", "pytorch-bf16"]
     with pytest.raises(ValueError, match="unknown system"):
         resolve_systems("a,nope")
 
@@ -70,6 +87,84 @@ def test_fraction_of_ceiling_is_at_the_same_precision_and_compile() -> None:
     assert rows["psrec-bf16"]["fraction_of_ceiling"] is None
 
 
+def precision_runs() -> list[dict[str, object]]:
+    rates = {
+        "pytorch": 100.0,
+        "pytorch-bf16": 150.0,
+        "torchrec": 110.0,
+        "psrec": 120.0,
+        "psrec-bf16": 300.0,
+        "psrec-fp16rows": 130.0,
+        "ceiling": 200.0,
+        "ceiling-bf16": 400.0,
+    }
+    return [{"system": name, "round": 0, "samples_per_second": rate} for name, rate in rates.items()]
+
+
+def test_ratios_are_taken_only_between_equal_precisions() -> None:
+    runs = precision_runs()
+    rows = {row["system"]: row for row in summarize(runs, [str(run["system"]) for run in runs])}
+    bf16 = rows["psrec-bf16"]
+    assert bf16["precision"] == "bf16"
+    assert bf16["ratio_to_pytorch"] == pytest.approx(2.0)  # by pytorch-bf16 (150), not pytorch (100)
+    assert bf16["ratio_to_torchrec"] is None  # no bf16 TorchRec ran: no ratio, never the fp32 one's
+    assert bf16["ratio_to_psrec"] == pytest.approx(1.0)
+    assert bf16["ratio_to_fp32"] == pytest.approx(2.5)  # the one cross-precision figure, over psrec
+    assert rows["psrec"]["ratio_to_pytorch"] == pytest.approx(1.2)
+    assert rows["psrec"]["ratio_to_torchrec"] == pytest.approx(120 / 110)
+    assert rows["psrec"]["ratio_to_fp32"] is None
+    # fp16 rows: no plain PyTorch or TorchRec with fp16 rows ran; against fp32 psrec only as "x fp32".
+    fp16rows = rows["psrec-fp16rows"]
+    assert fp16rows["ratio_to_pytorch"] is None and fp16rows["ratio_to_torchrec"] is None
+    assert fp16rows["ratio_to_fp32"] == pytest.approx(130 / 120)
+    assert rows["pytorch-bf16"]["ratio_to_pytorch"] == pytest.approx(1.0)
+    assert rows["pytorch-bf16"]["fraction_of_ceiling"] == pytest.approx(150 / 400)
+    assert rows["ceiling-bf16"]["ratio_to_pytorch"] == pytest.approx(400 / 150)
+    # Without the bf16 baseline in the run the bf16 system gets no "x pytorch".
+    without = [run for run in runs if run["system"] != "pytorch-bf16"]
+    rows = {row["system"]: row for row in summarize(without, [str(run["system"]) for run in without])}
+    assert rows["psrec-bf16"]["ratio_to_pytorch"] is None
+
+
+def test_every_reference_is_a_system_of_the_same_precision() -> None:
+    for name, system in SYSTEMS.items():
+        for kind in REFERENCES:
+            target = reference(name, kind)
+            if target is not None:
+                assert SYSTEMS[target].precision == system.precision, (name, kind, target)
+        assert SYSTEMS[system.ceiling].precision == system.dense_precision, name
+        if system.fp32_twin is not None:
+            assert SYSTEMS[system.fp32_twin].precision == "fp32" != system.precision, name
+    # The bf16 baselines exist (plain PyTorch under autocast, TorchRec, the ceiling).
+    assert [reference("psrec-bf16", kind) for kind in REFERENCES] == [
+        "pytorch-bf16",
+        "torchrec-bf16",
+        "psrec-bf16",
+    ]
+    assert SYSTEMS["psrec-bf16"].ceiling == "ceiling-bf16"
+    assert {"pytorch-bf16", "torchrec-bf16", "ceiling-bf16"} <= set(DEFAULT_SYSTEMS)
+
+
+def test_table_shows_precisions_and_marks_the_cross_precision_figure() -> None:
+    runs = precision_runs()
+    names = [str(run["system"]) for run in runs]
+    report = {
+        "workload": tiny_workload(Path("unused")).to_dict(),
+        "machine": {"cpu": "test cpu", "cores": 2, "load_average": [0.0, 0.0, 0.0]},
+        "rounds": 1,
+        "rows": summarize(runs, names),
+    }
+    lines = commands.format_table(report).splitlines()
+    assert "CROSS-PRECISION" in lines[1] and "x fp32*" in lines[2] and "precision" in lines[2]
+    (bf16,) = [line for line in lines if line.startswith("psrec-bf16 ")]
+    cells = bf16.split()
+    assert cells[1] == "bf16" and cells[3] == "2.00"  # x pytorch: over pytorch-bf16
+    assert cells[4] == "-"  # x torchrec: no bf16 TorchRec in the run
+    assert "2.50*" in cells  # x fp32, marked
+    (fp32,) = [line for line in lines if line.startswith("psrec ")]
+    assert fp32.split()[7] == "-"  # fp32 psrec has no fp32 twin: nothing crosses precisions
+
+
 def test_step_profile_accounts_for_the_whole_step() -> None:
     run = {"steps": 4, "train_seconds": 2.0, "phase_seconds": {"pull": 0.4, "forward": 1.0}}
     profile = step_profile(run)
@@ -79,10 +174,11 @@ def test_step_profile_accounts_for_the_whole_step() -> None:
 
 
 def test_timed_rate_can_leave_out_the_first_epoch() -> None:
-    # cumulative reports: (epoch, samples, samples/s over all training so far, cpu)
+    # cumulative reports: (epoch, samples, samples/s over all training so far, cpu); the wall clock
+    # at each report is the training time so far (no driver work between chunks)
     points = [(0, 100, 50.0, 1.0), (0, 200, 50.0, 2.0), (1, 300, 60.0, 3.0), (1, 500, 62.5, 4.0)]
     reports = [
-        {"epoch": e, "step": n // 100, "samples": n, "samples_per_second": r, "cpu": c}
+        {"epoch": e, "step": n // 100, "samples": n, "samples_per_second": r, "clock": n / r, "cpu": c}
         for e, n, r, c in points
     ]
     everything = _timed_rate(reports, has_warmup=True)
@@ -126,7 +222,7 @@ def test_every_system_runs_and_reports_sane_numbers(tmp_path: Path, ray_cluster:
     rows = {row["system"]: row for row in report["rows"]}
     assert set(rows) == set(DEFAULT_SYSTEMS)
     for name, row in rows.items():
-        if name == "torchrec" and row["status"].startswith("skipped"):
+        if name.startswith("torchrec") and row["status"].startswith("skipped"):
             continue  # optional extra not installed: the bench says why
         assert row["status"] == "ok", (name, row["status"])
         assert row["samples_per_second"] > 0 and math.isfinite(row["samples_per_second"])
@@ -135,6 +231,7 @@ def test_every_system_runs_and_reports_sane_numbers(tmp_path: Path, ray_cluster:
         if not name.startswith("ceiling"):
             assert 0.0 <= row["auc"] <= 1.0
     assert rows["pytorch"]["ratio_to_pytorch"] == pytest.approx(1.0)
+    assert rows["pytorch-bf16"]["ratio_to_pytorch"] == pytest.approx(1.0)  # bf16 over bf16
     for name in ("psrec", "psrec-ray"):
         profile = rows[name]["profile"]
         assert {"pull", "forward", "backward", "push", "optimizer"} <= set(profile)

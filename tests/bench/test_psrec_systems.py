@@ -1,0 +1,91 @@
+"""psrec's bench systems: the timed window holds everything between the first and last timed step.
+
+Run: `python -m pytest tests/bench/test_psrec_systems.py -q` (a few seconds; no timing asserts beyond
+"the sleeps the test injects are on the clock").
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psrec.bench import psrec_systems
+from psrec.bench.harness import run_bench
+from psrec.bench.psrec_systems import ProgressClock, _timed_rate
+from psrec.bench.workload import Workload
+
+
+def reports(points: list[tuple[int, int, float, float, float]]) -> list[dict[str, Any]]:
+    """(epoch, samples, driver's training seconds so far, wall clock, cpu) -> cumulative reports."""
+    return [
+        {"epoch": e, "step": n // 100, "samples": n, "samples_per_second": n / t, "clock": c, "cpu": u}
+        for e, n, t, c, u in points
+    ]
+
+
+def test_timed_rate_counts_wall_clock_between_reports_not_only_training_seconds() -> None:
+    # Each chunk trains 1 s (runtime.train_steps) and the driver spends 0.5 s around it.
+    timed = _timed_rate(
+        reports([(0, 100, 1.0, 10.0, 1.0), (0, 200, 2.0, 11.5, 2.5), (0, 300, 3.0, 13.0, 4.0)]),
+        has_warmup=True,
+    )
+    assert timed["timed_seconds"] == pytest.approx(3.0)
+    assert timed["timed_train_steps_seconds"] == pytest.approx(2.0)
+    assert timed["samples_per_second"] == pytest.approx(200 / 3.0)
+    assert timed["samples_per_cpu_second"] == pytest.approx(200 / 3.0)
+    assert timed["best_step_samples_per_second"] == pytest.approx(100 / 1.5)
+    assert timed["timed_steps"] == 2
+
+
+def test_timed_rate_without_warmup_starts_at_the_first_chunk() -> None:
+    timed = _timed_rate(reports([(0, 100, 1.0, 10.0, 1.0), (0, 200, 2.0, 11.5, 2.5)]), has_warmup=False)
+    assert timed["timed_samples"] == 200 and timed["timed_steps"] == 2
+    assert timed["timed_seconds"] == pytest.approx(2.5)  # from 9.0 (10.0 less its 1 s of training)
+    assert timed["samples_per_cpu_second"] == pytest.approx(100 / 1.5)  # CPU known after report 1 only
+
+
+def test_progress_clock_leaves_its_own_bookkeeping_off_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    def slow_scan() -> list[int]:
+        time.sleep(0.2)  # as reading every actor's /proc entry can take
+        return []
+
+    monkeypatch.setattr(psrec_systems, "_actor_pids", slow_scan)
+    clock = ProgressClock(actors=True)
+    for _ in range(3):
+        clock({"samples": 1})
+        time.sleep(0.05)
+    gaps = [b["clock"] - a["clock"] for a, b in zip(clock.reports, clock.reports[1:], strict=False)]
+    assert all(0.04 < gap < 0.15 for gap in gaps), gaps
+
+
+def test_psrec_timed_window_includes_the_drivers_work_between_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psrec.train.loop
+
+    write_scalars = psrec.train.loop.write_scalars
+
+    def slow_write_scalars(*args: Any, **kwargs: Any) -> None:
+        time.sleep(0.2)  # driver work after runtime.train_steps, before the progress report
+        write_scalars(*args, **kwargs)
+
+    monkeypatch.setattr(psrec.train.loop, "write_scalars", slow_write_scalars)
+    workload = Workload(
+        dim=16,
+        batch_size=256,
+        train_rows=2048,
+        validation_rows=512,
+        cardinality_scale=0.001,
+        warmup_steps=1,
+        steps=2,
+        threads=1,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    (run,) = run_bench(workload, ["psrec"], rounds=1, isolate=False)["runs"]
+    assert run["timed_steps"] == 2
+    # Two timed chunks of one step, each followed by 0.2 s of driver work before its report.
+    assert run["timed_seconds"] - run["timed_train_steps_seconds"] >= 0.35
+    assert run["samples_per_second"] <= run["timed_samples"] / 0.4
