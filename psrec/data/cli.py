@@ -160,6 +160,12 @@ def run_convert(args: argparse.Namespace) -> int:
     if summary["rows_skipped"]:
         console.print(f"skipped {summary['rows_skipped']} bad rows, e.g.:")
         console.print(json.dumps(summary["skipped_samples"][:5], indent=2), markup=False)
+    if summary["units_failed"]:
+        console.print(
+            f"[red]{summary['units_failed']} file part(s) could not be read to their end[/red] "
+            f"({summary['bytes_lost']} bytes lost; the rows before the damage were converted):"
+        )
+        console.print(json.dumps(summary["failed_units"][:5], indent=2), markup=False)
     return 0
 
 

@@ -56,7 +56,9 @@ def convert_to_parquet(
     progress: Callable[[int, int], None] | None = None,
     prepared: bool = False,
 ) -> tuple[list[Path], dict[str, Any]]:
-    """Write one Parquet file per input file; return the paths and {rows, rows_skipped, skipped_samples}.
+    """Write one Parquet file per input file; return the paths and a summary: rows, and the counts of
+    `BatchReader.stats()` (rows_skipped, skipped_samples, units_failed, bytes_lost, failed_units, and
+    the dense values filled or clipped, counted here when `prepared`, else when the output is read).
 
     `progress(done, total)` is called after each unit with the input bytes (or rows) done and in all.
     """
@@ -96,7 +98,9 @@ def convert_to_parquet(
             staged.append(temporary)
             tables = _tables_of_file(reader, [u for u in units if u.file_index == index], unit_done)
             if prepared:
-                tables = (mark_prepared(prepare_table(schema, table), fingerprint) for table in tables)
+                tables = (
+                    mark_prepared(prepare_table(schema, table, errors), fingerprint) for table in tables
+                )
             tables = (table.drop_columns([ROW_ID]) for table in tables)
             file_rows = _write_parquet(
                 temporary, tables, row_group_rows=row_group_rows, compression=compression
@@ -114,11 +118,7 @@ def convert_to_parquet(
         for temporary in staged:
             temporary.unlink(missing_ok=True)
         raise
-    summary = {
-        "rows": rows,
-        "rows_skipped": errors.count,
-        "skipped_samples": [sample.as_dict() for sample in errors.samples],
-    }
+    summary = {"rows": rows, **errors.snapshot().as_dict()}
     return written, summary
 
 

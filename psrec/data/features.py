@@ -3,8 +3,11 @@
 
 Column kinds by schema role:
 
-- labels: numbers (float32 in the batch); a missing label is a bad row (`bad_label_rows`);
-- dense: numbers, missing = null/NaN -> `fill`, then `clip`, then `log1p` of max(x, 0);
+- labels: 0 or 1 (float32 in the batch); a missing label or any other value (NaN, 2, -1) is a bad
+  row (`bad_rows`);
+- dense: numbers, missing = null -> `fill`; a value that is not a finite float32 (NaN, infinity,
+  beyond +-3.4e38) as the feature's `invalid` says (`bad_rows` finds the rows to skip or raise on;
+  `prepare_table` fills or clips the others and counts them); then `clip`, then `log1p` of max(x, 0);
 - sparse, single-valued: text or integers, one id per row (hashed; missing hashes as "");
   pass-through (`hashed=False`) ids must be integers in [0, 2**48) (`bad_id_rows` finds others);
 - sparse multi-valued and sequences: `separator`-joined text or Arrow lists; empty tokens dropped.
@@ -13,7 +16,9 @@ Readers hand over the column `__row_id` too (global row ids, see `psrec.data.uni
 
 A table can also arrive prepared already: Parquet written by `psrec data convert --prepared` holds
 `prepare_table`'s output, marked in its metadata with the schema it was prepared for
-(`schema_fingerprint`); readers then skip decoding text and hashing (`is_prepared`).
+(`schema_fingerprint`); readers then skip decoding text and hashing (`is_prepared`), and only check
+that its labels are 0 or 1 and its dense values finite (`prepared_bad_rows`). `table_to_batch`
+refuses a non-finite label or dense value whatever the path, so none reaches a model.
 """
 
 from __future__ import annotations
@@ -21,17 +26,39 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from psrec.data.batch import Batch, PaddedSequence, SparseBatch
+from psrec.data.errors import BadRows, Policy
 from psrec.data.feature_hashing import MAX_PASSTHROUGH_ID, hash_values
 from psrec.data.schema import DenseFeature, Schema, SequenceFeature, SparseFeature
+from psrec.data.units import OFFSET_BITS, OFFSET_MASK
 
 ROW_ID = "__row_id"
 PREPARED_KEY = b"psrec.prepared"  # Parquet/Arrow schema metadata: the schema fingerprint of prepared data
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class DenseCounts(NamedTuple):
+    """Values of one dense column that `_dense_column` changed: missing -> fill, NaN/inf -> fill,
+    beyond float32's range -> the nearest float32."""
+
+    missing: int = 0
+    filled: int = 0
+    clipped: int = 0
+
+
+class RowProblem(NamedTuple):
+    """A bad row found by `bad_rows`: its index in the table (`row`), why, and the policy that overrides the
+    reader's `on_error` (a dense feature's `invalid: skip | raise`), if any."""
+
+    row: int
+    reason: str
+    policy: Policy | None = None
 
 
 def text_column_types(schema: Schema) -> dict[str, pa.DataType]:
@@ -101,40 +128,56 @@ def pad_sequences(ids: np.ndarray, lengths: np.ndarray, max_length: int) -> Padd
     return PaddedSequence(ids=out, mask=mask)
 
 
-def _dense_column(feature: DenseFeature, column: pa.ChunkedArray) -> np.ndarray:
-    """float32 values with missing/non-finite -> fill, then clip, then log1p(max(x, 0)).
+def _dense_column(feature: DenseFeature, column: pa.ChunkedArray) -> tuple[np.ndarray, DenseCounts]:
+    """float32 values with missing (null) and NaN/infinite -> fill, finite values beyond float32's
+    range -> the nearest float32 (+-3.4e38), then clip, then log1p(max(x, 0)); and how many of each.
 
     Missing values are found in float64; the arithmetic runs in float32, where NumPy's log1p is
     vectorised (about 2.5x faster here than float64). The float32 result differs by at most one unit
-    in the last place, and finite values beyond float32's range become +-inf before clip/log1p.
+    in the last place. Rows whose values a feature with `invalid: skip | raise` refuses were dropped
+    before (`bad_rows`); any left are filled and counted like the others.
     """
+    counts = DenseCounts()
     if pa.types.is_integer(column.type) and column.null_count == 0:  # nothing missing: 2.5x faster
         values = column.to_numpy().astype(np.float32)
     else:
         raw = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
         with np.errstate(over="ignore"):
-            values = np.where(np.isfinite(raw), raw.astype(np.float32), np.float32(feature.fill))
+            values = raw.astype(np.float32)
+        changed = ~np.isfinite(values)  # missing, NaN, infinite, or beyond float32's range
+        if changed.any():
+            invalid = ~np.isfinite(raw)
+            num_invalid = int(np.count_nonzero(invalid))
+            beyond = int(np.count_nonzero(changed)) - num_invalid
+            if beyond:
+                outside = changed & ~invalid
+                values[outside] = np.copysign(np.float32(FLOAT32_MAX), raw[outside])
+            values[invalid] = np.float32(feature.fill)
+            counts = DenseCounts(column.null_count, num_invalid - column.null_count, beyond)
     if feature.clip is not None:
         np.clip(values, np.float32(feature.clip[0]), np.float32(feature.clip[1]), out=values)
     if feature.log1p:
         np.maximum(values, np.float32(0.0), out=values)
         np.log1p(values, out=values)
-    return values
+    return values, counts
 
 
-def prepare_table(schema: Schema, table: pa.Table) -> pa.Table:
+def prepare_table(schema: Schema, table: pa.Table, errors: BadRows | None = None) -> pa.Table:
     """Raw columns -> final values, once per table read (before shuffling and batching).
 
     Labels and dense features become float32 (transforms applied), single-valued sparse features
     int64 ids, multi-valued and sequence features list<int64> ids; `__row_id` is kept. Hashing a
     whole table at once hashes each distinct value of a dictionary-encoded column once, and the
-    shuffle then moves numbers instead of text.
+    shuffle then moves numbers instead of text. `errors` counts the dense values filled or clipped.
     """
     columns: dict[str, pa.Array] = {}
     for name in schema.label_names:
-        columns[name] = pa.array(table.column(name).cast(pa.float32()).to_numpy())
+        columns[name] = pa.array(table.column(name).cast(pa.float32()).to_numpy(zero_copy_only=False))
     for dense in schema.dense:
-        columns[dense.name] = pa.array(_dense_column(dense, table.column(dense.name)))
+        values, counts = _dense_column(dense, table.column(dense.name))
+        columns[dense.name] = pa.array(values)
+        if errors is not None:
+            errors.count_values(dense.name, **counts._asdict())
     features: list[SparseFeature | SequenceFeature] = [*schema.sparse, *schema.sequences]
     for feature in features:
         ids, lengths = _feature_ids(feature, table.column(feature.name).combine_chunks())
@@ -207,6 +250,15 @@ def table_to_batch(schema: Schema, table: pa.Table) -> Batch:
     dense = np.empty((table.num_rows, len(schema.dense)), dtype=np.float32)  # (B, num_dense)
     for index, feature in enumerate(schema.dense):
         dense[:, index] = column(feature.name).to_numpy(zero_copy_only=False)
+    for name, values in (("label", label_array), ("dense value", dense)):
+        finite = np.isfinite(values)
+        if not finite.all():  # the readers' checks keep these out; never hand one to a model
+            row = int(np.flatnonzero(~finite.reshape(table.num_rows, -1).all(axis=1))[0])
+            row_id = int(column(ROW_ID)[row].as_py())
+            raise ValueError(
+                f"a non-finite {name} reached a batch (file #{row_id >> OFFSET_BITS} of the source, "
+                f"offset {row_id & OFFSET_MASK}): the reader should have refused it; please report this"
+            )
     sparse = _sparse_batch(schema, column, table.num_rows)
     sequences = {
         sequence.name: pad_sequences(*_list_ids(column(sequence.name)), sequence.max_length)
@@ -221,17 +273,88 @@ def table_to_batch(schema: Schema, table: pa.Table) -> Batch:
     )
 
 
-def bad_rows(schema: Schema, table: pa.Table) -> list[tuple[int, str]]:
-    """(row index, reason) of rows that would fail conversion: missing labels, bad pass-through ids.
-
-    Readers call this before handing a table on, so conversion never meets a bad row.
-    """
+def _label_problems(schema: Schema, table: pa.Table) -> dict[int, str]:
+    """Rows whose label is missing or not 0 or 1 (labels are binary; see `psrec.data.schema`)."""
     problems: dict[int, str] = {}
     for name in schema.label_names:
         column = table.column(name)
-        if column.null_count:
-            for index in np.flatnonzero(~pc.is_valid(column).to_numpy(zero_copy_only=False)):
-                problems.setdefault(int(index), f"missing label {name!r}")
+        values = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
+        wrong = (values != 0) & (values != 1)
+        if not wrong.any():
+            continue
+        valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
+        for index in np.flatnonzero(wrong):
+            if not valid[index]:
+                reason = f"missing label {name!r}"
+            else:
+                reason = f"label {name!r} is {values[index]:g}: expected 0 or 1 (labels are binary)"
+            problems.setdefault(int(index), reason)
+    return problems
+
+
+def _dense_problems(schema: Schema, table: pa.Table) -> dict[int, RowProblem]:
+    """Rows with a value that a dense feature with `invalid: skip | raise` refuses."""
+    problems: dict[int, RowProblem] = {}
+    for feature in schema.dense:
+        if feature.invalid == "fill":
+            continue
+        column = table.column(feature.name)
+        raw = column.cast(pa.float64()).to_numpy()  # nulls -> NaN
+        with np.errstate(over="ignore"):
+            refused = ~np.isfinite(raw.astype(np.float32)) & pc.is_valid(column).to_numpy(
+                zero_copy_only=False
+            )
+        for index in np.flatnonzero(refused):
+            reason = (
+                f"dense feature {feature.name!r} is {raw[index]:g}, not a finite float32 number "
+                f"(its invalid: {feature.invalid}; 'fill' replaces such values)"
+            )
+            problems.setdefault(int(index), RowProblem(int(index), reason, feature.invalid))
+    return problems
+
+
+def _invalid_ids(values: pa.Array) -> list[tuple[int, str]]:
+    """(index, reason) of the non-null values that are not integer ids in [0, 2**48)."""
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if pa.types.is_unsigned_integer(values.type):  # compared unsigned: uint64 above int64's range too
+        unsigned = values.fill_null(0).to_numpy(zero_copy_only=False).astype(np.uint64)
+        return [
+            (int(i), f"id {unsigned[i]} outside [0, 2**48)")
+            for i in np.flatnonzero(unsigned >= MAX_PASSTHROUGH_ID)
+        ]
+    try:
+        numbers = values.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # text or fractions: find them one by one
+        found = []
+        for index in range(len(values)):
+            item = values.slice(index, 1)
+            try:
+                number = int(item.cast(pa.int64()).fill_null(0)[0].as_py())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                found.append((index, f"id {item[0].as_py()!r} is not an integer"))
+                continue
+            if not 0 <= number < MAX_PASSTHROUGH_ID:
+                found.append((index, f"id {number} outside [0, 2**48)"))
+        return found
+    return [
+        (int(i), f"id {numbers[i]} outside [0, 2**48)")
+        for i in np.flatnonzero((numbers < 0) | (numbers >= MAX_PASSTHROUGH_ID))
+    ]
+
+
+def bad_rows(schema: Schema, table: pa.Table) -> list[RowProblem]:
+    """The rows that would fail conversion or carry values a model must not see, in row order:
+    missing or non-binary labels, dense values a feature's `invalid: skip | raise` refuses, missing
+    or bad pass-through ids.
+
+    Readers call this before handing a table on, so conversion never meets a bad row.
+    """
+    problems: dict[int, RowProblem] = {
+        index: RowProblem(index, reason) for index, reason in _label_problems(schema, table).items()
+    }
+    for index, problem in _dense_problems(schema, table).items():
+        problems.setdefault(index, problem)
     features: list[SparseFeature | SequenceFeature] = [*schema.sparse, *schema.sequences]
     for feature in features:
         if feature.hashed:
@@ -240,20 +363,27 @@ def bad_rows(schema: Schema, table: pa.Table) -> list[tuple[int, str]]:
         multi = isinstance(feature, SequenceFeature) or feature.multi_valued
         if not multi:
             if column.null_count:
-                for index in np.flatnonzero(~pc.is_valid(column).to_numpy(zero_copy_only=False)):
-                    problems.setdefault(int(index), f"missing id for pass-through feature {feature.name!r}")
-            values = column.cast(pa.int64()).fill_null(0).to_numpy()
-            for index in np.flatnonzero((values < 0) | (values >= MAX_PASSTHROUGH_ID)):
-                problems.setdefault(int(index), f"{feature.name}: id {values[index]} outside [0, 2**48)")
+                for missing in np.flatnonzero(~pc.is_valid(column).to_numpy(zero_copy_only=False)):
+                    reason = f"missing id for pass-through feature {feature.name!r}"
+                    problems.setdefault(int(missing), RowProblem(int(missing), reason))
+            for index, reason in _invalid_ids(column):
+                problems.setdefault(index, RowProblem(index, f"{feature.name}: {reason}"))
             continue
-        try:
-            _passthrough_ids(_tokens(column, feature.separator)[0])
-            continue
-        except (ValueError, pa.ArrowInvalid, TypeError):
-            pass  # find the offending rows one by one (error path only)
-        for row in range(len(column)):
-            try:
-                _passthrough_ids(_tokens(column.slice(row, 1), feature.separator)[0])
-            except (ValueError, pa.ArrowInvalid, TypeError) as error:
-                problems.setdefault(row, f"{feature.name}: {error}")
-    return sorted(problems.items())
+        flat, counts = _tokens(column, feature.separator)
+        parents = np.repeat(np.arange(len(column)), counts)
+        for index, reason in _invalid_ids(flat):
+            row = int(parents[index])
+            problems.setdefault(row, RowProblem(row, f"{feature.name}: {reason}"))
+    return [problems[index] for index in sorted(problems)]
+
+
+def prepared_bad_rows(schema: Schema, table: pa.Table) -> list[RowProblem]:
+    """Rows of prepared data whose labels are not 0 or 1 or whose dense values are not finite (data
+    prepared by another psrec version or by hand; training prepares neither)."""
+    problems = _label_problems(schema, table)
+    for feature in schema.dense:
+        values = table.column(feature.name).to_numpy()
+        for index in np.flatnonzero(~np.isfinite(values)):
+            problems.setdefault(int(index), f"prepared dense feature {feature.name!r} is {values[index]:g}")
+    again = "; prepare the raw data again with `psrec data convert --prepared`"
+    return [RowProblem(index, problems[index] + again) for index in sorted(problems)]

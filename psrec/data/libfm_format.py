@@ -1,6 +1,7 @@
 """libfm / libsvm rows with a field map, e.g. Frappe: "<label> <id>:<value> <id>:<value> ...".
 
-The label is a number (> 0 -> 1, else 0; libfm's -1 -> 0). Each token's feature id belongs to the
+The label is binary: a number equal to 1 (positive), or to 0 or -1 (libfm's negative; both -> 0);
+any other value ("3", "0.5") makes the line bad. Each token's feature id belongs to the
 field whose `DataSource.field_ranges` range holds it; the schema's sparse features are named after
 fields. A single-valued feature needs exactly one id per row; a multi-valued one takes any number.
 Ids pass through (`hashed=False`: the global libfm feature id) or are hashed per namespace. Values
@@ -10,7 +11,9 @@ with LF or CRLF.
 Parsing is one numba kernel over a block of lines (`parse_block`) with a plain-Python oracle
 (`parse_line_reference`) that the tests compare it with; a malformed line (bad label, a token that
 is not `id:number`, an id in no field, a field count a single-valued feature cannot take) raises
-with file, line and text, or is skipped under `on_error: skip`.
+with file, line and text, or is skipped under `on_error: skip`. A file cut short or corrupt keeps the
+lines before the damage (see `psrec.data.lines`); a file without lines is an error unless the
+source sets `allow_empty`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 
 import numba
@@ -26,14 +30,26 @@ import pyarrow as pa
 
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID
-from psrec.data.lines import LineBlock, LineCounter, line_blocks
+from psrec.data.lines import (
+    DamagedStream,
+    LineBlock,
+    LineCounter,
+    check_not_empty,
+    line_blocks,
+    report_damage,
+)
 from psrec.data.schema import DataSource, Schema
 from psrec.data.units import Unit, row_id_base, text_units
 
 logger = logging.getLogger(__name__)
 
-OK, BAD_LABEL, BAD_TOKEN, NO_LABEL = 0, 1, 2, 3
-_REASONS = {BAD_LABEL: "label is not a number", BAD_TOKEN: "token is not id:number", NO_LABEL: "no label"}
+OK, BAD_LABEL, BAD_TOKEN, NO_LABEL, NOT_BINARY = 0, 1, 2, 3, 4
+_REASONS = {
+    BAD_LABEL: "label is not a number",
+    BAD_TOKEN: "token is not id:number",
+    NO_LABEL: "no label",
+    NOT_BINARY: "label is not 1, 0 or -1 (labels are binary)",
+}
 _MAX_ID_DIGITS = 18
 
 
@@ -43,26 +59,21 @@ def _space(byte: np.uint8) -> bool:
 
 
 @numba.njit(cache=True, nogil=True)
-def _number_end(data: np.ndarray, position: int, end: int) -> tuple[int, float]:
-    """(end of the number starting at `position`, or -1 if there is none; its sign*mantissa != 0)."""
-    sign = 1.0
+def _number_end(data: np.ndarray, position: int, end: int) -> int:
+    """End of the number starting at `position`, or -1 if there is none."""
     if position < end and (data[position] == 45 or data[position] == 43):  # - +
-        sign = -1.0 if data[position] == 45 else 1.0
         position += 1
     digits = 0
-    nonzero = 0.0
     while position < end and 48 <= data[position] <= 57:
-        nonzero += data[position] - 48
         digits += 1
         position += 1
     if position < end and data[position] == 46:  # .
         position += 1
         while position < end and 48 <= data[position] <= 57:
-            nonzero += data[position] - 48
             digits += 1
             position += 1
     if digits == 0:
-        return -1, 0.0
+        return -1
     if position < end and (data[position] == 101 or data[position] == 69):  # e E
         position += 1
         if position < end and (data[position] == 45 or data[position] == 43):
@@ -72,10 +83,58 @@ def _number_end(data: np.ndarray, position: int, end: int) -> tuple[int, float]:
             exponent_digits += 1
             position += 1
         if exponent_digits == 0:
-            return -1, 0.0
+            return -1
     if position < end and not _space(data[position]):
-        return -1, 0.0
-    return position, sign * nonzero
+        return -1
+    return position
+
+
+@numba.njit(cache=True, nogil=True)
+def _binary_label(data: np.ndarray, position: int, end: int) -> int:
+    """1 for the number [position, end) equal to 1, 0 for one equal to 0 or -1, -1 for any other.
+
+    Exact in decimal, with no float rounding: "1.000", "1e0", "10e-1", "-0" are labels; "3", "0.5",
+    "1e-999" are not. `end` is where `_number_end` found the number to end.
+    """
+    negative = False
+    if data[position] == 45 or data[position] == 43:  # - +
+        negative = data[position] == 45
+        position += 1
+    digits = 0
+    integer_digits = 0
+    nonzero = 0
+    nonzero_digit = 0
+    nonzero_index = -1  # among all digits, integer part first
+    point = False
+    while position < end and (48 <= data[position] <= 57 or data[position] == 46):
+        if data[position] == 46:
+            point = True
+        else:
+            if data[position] != 48:
+                nonzero += 1
+                nonzero_digit = data[position] - 48
+                nonzero_index = digits
+            digits += 1
+            if not point:
+                integer_digits += 1
+        position += 1
+    exponent = 0
+    if position < end:  # e or E
+        position += 1
+        exponent_negative = data[position] == 45
+        if data[position] == 45 or data[position] == 43:
+            position += 1
+        while position < end:
+            if exponent < 1_000_000:  # saturates: a power that large is not 0 either way
+                exponent = exponent * 10 + (data[position] - 48)
+            position += 1
+        if exponent_negative:
+            exponent = -exponent
+    if nonzero == 0:
+        return 0
+    if nonzero > 1 or nonzero_digit != 1 or integer_digits - 1 - nonzero_index + exponent != 0:
+        return -1
+    return 0 if negative else 1
 
 
 @numba.njit(cache=True, nogil=True)
@@ -106,12 +165,17 @@ def parse_block(
             status[line] = NO_LABEL
             error_at[line] = starts[line]
             continue
-        after, value = _number_end(data, position, end)
+        after = _number_end(data, position, end)
         if after < 0:
             status[line] = BAD_LABEL
             error_at[line] = position
             continue
-        labels[line] = 1.0 if value > 0 else 0.0
+        label = _binary_label(data, position, after)
+        if label < 0:
+            status[line] = NOT_BINARY
+            error_at[line] = position
+            continue
+        labels[line] = label
         position = after
         while True:
             while position < end and _space(data[position]):
@@ -129,7 +193,7 @@ def parse_block(
                 status[line] = BAD_TOKEN
                 error_at[line] = token
                 break
-            after, value = _number_end(data, position + 1, end)
+            after = _number_end(data, position + 1, end)
             if after < 0:
                 status[line] = BAD_TOKEN
                 error_at[line] = token
@@ -144,24 +208,27 @@ def parse_block(
     return labels, counts, ids[:written], status, error_at
 
 
-_TOKEN = re.compile(r"^(\d{1,18}):([+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)$")
-_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_TOKEN = re.compile(r"^(\d{1,18}):([+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)$", re.ASCII)
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$", re.ASCII)
 
 
 def parse_line_reference(line: str) -> tuple[float, list[int]] | str:
     """Plain-Python oracle of `parse_block` for one line: (label, ids) or the reason it is bad."""
-    tokens = line.replace("\t", " ").split()
+    tokens = [token for token in re.split(r"[ \t]+", line) if token]  # spaces and tabs only, as the kernel
     if not tokens:
         return _REASONS[NO_LABEL]
     if not _NUMBER.match(tokens[0]):
         return _REASONS[BAD_LABEL]
+    label = Decimal(tokens[0])
+    if label not in (1, 0, -1):
+        return _REASONS[NOT_BINARY]
     ids = []
     for token in tokens[1:]:
         match = _TOKEN.match(token)
         if not match:
             return _REASONS[BAD_TOKEN]
         ids.append(int(match[1]))
-    return (1.0 if float(tokens[0]) > 0 else 0.0), ids
+    return (1.0 if label == 1 else 0.0), ids
 
 
 class LibfmFormat:
@@ -194,6 +261,7 @@ class LibfmFormat:
         return [
             unit
             for index, path in enumerate(self.files)
+            if check_not_empty(str(path), allow_empty=self.source.allow_empty)
             for unit in text_units(index, path, self.source.split_bytes)
         ]
 
@@ -261,5 +329,7 @@ class LibfmFormat:
                 table, lines = parsed
                 row_ids = base + block.offset + block.starts[lines]
                 yield table.append_column(ROW_ID, pa.array(row_ids, pa.int64()))
-        except OSError as error:
-            self.errors.report(unit.path, f"bytes {unit.start}-{unit.stop}", f"unreadable file: {error}")
+        except DamagedStream as damage:
+            report_damage(
+                self.errors, self._counters.setdefault(unit.path, LineCounter(unit.path)), unit, damage
+            )

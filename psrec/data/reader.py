@@ -19,8 +19,13 @@ the last row delivered.
 A `PreparedCache` passed to every epoch's reader keeps the prepared tables of each unit read whole
 (decoded, hashed, transformed: everything before the shuffle), so later epochs skip the format
 reader and `prepare_table`, as tf.data's `cache()` does; windows, shuffles, batches and positions are
-built from them exactly as from a fresh read. The interactions format is never cached (it draws new
-negatives each epoch).
+built from them exactly as from a fresh read. It keeps what reading the unit counted too (rows
+skipped, values filled, a failed unit), so every epoch's `stats()` counts the same. The
+interactions format is never cached (it draws new negatives each epoch).
+
+Bad input (see `psrec.data.errors`): bad rows raise or are skipped and counted; a unit that cannot be
+read to its end raises or is counted apart, keeping the rows before the damage; dense values filled
+or clipped are counted per feature. `BatchReader.stats()` reports all of it.
 
 Typical use, one reader per epoch::
 
@@ -45,7 +50,7 @@ import pyarrow as pa
 
 from psrec.data.background import BackgroundIterator, InputGate, checkpoint
 from psrec.data.batch import Batch
-from psrec.data.errors import BadRows
+from psrec.data.errors import BadRows, Tally
 from psrec.data.features import ROW_ID, is_prepared, prepare_table, table_to_batch
 from psrec.data.schema import DataSource, Schema
 from psrec.data.units import OFFSET_MASK, Unit, expand_paths, shard_units
@@ -73,7 +78,7 @@ def make_format_reader(
     if source.format == "parquet":
         from psrec.data.parquet_format import ParquetFormat
 
-        return ParquetFormat(files, schema, errors)
+        return ParquetFormat(files, schema, errors, allow_empty=source.allow_empty)
     if source.format in ("csv", "criteo_tsv"):
         from psrec.data.text_format import DelimitedFormat
 
@@ -84,7 +89,7 @@ def make_format_reader(
         return LibfmFormat(files, source, schema, errors)
     from psrec.data.sequences import InteractionsFormat
 
-    return InteractionsFormat(files, schema, errors, seed=seed)
+    return InteractionsFormat(files, schema, errors, seed=seed, allow_empty=source.allow_empty)
 
 
 @dataclass
@@ -112,18 +117,32 @@ class PreparedCache:
 
     def __init__(self) -> None:
         self._tables: dict[Unit, list[pa.Table]] = {}
+        self._tallies: dict[Unit, Tally] = {}
         self.nbytes = 0
 
     def get(self, unit: Unit) -> list[pa.Table] | None:
         return self._tables.get(unit)
 
-    def put(self, unit: Unit, tables: list[pa.Table]) -> None:
+    def tally(self, unit: Unit) -> Tally:
+        """What reading `unit` counted (skipped rows, filled values, a failed unit)."""
+        return self._tallies.get(unit, Tally())
+
+    def put(self, unit: Unit, tables: list[pa.Table], tally: Tally | None = None) -> None:
         if unit not in self._tables:
             self._tables[unit] = tables
+            self._tallies[unit] = tally or Tally()
             self.nbytes += sum(table.nbytes for table in tables)
 
     def __len__(self) -> int:
         return len(self._tables)
+
+
+def _prepare(schema: Schema, table: pa.Table, errors: BadRows, unit: Unit) -> pa.Table:
+    try:
+        return prepare_table(schema, table, errors)
+    except (pa.ArrowException, ValueError, TypeError) as error:  # the readers' checks should prevent it
+        where = f"row group {unit.row_group}" if unit.row_group >= 0 else f"bytes {unit.start}-{unit.stop}"
+        raise ValueError(f"{unit.path}, {where}: cannot prepare its rows for the schema: {error}") from error
 
 
 def _stream(
@@ -132,30 +151,34 @@ def _stream(
     units: list[Unit],
     unit: int,
     after: int | None,
+    errors: BadRows,
     cache: PreparedCache | None = None,
 ) -> Iterator[tuple[int, pa.Table]]:
     """(unit index, prepared table) of the units from `unit` on, starting after offset `after`.
 
-    With a cache, a unit read from its start is served from it, or read and then kept (only once
-    read to its end: a reader closed midway stores nothing partial)."""
+    With a cache, a unit read from its start is served from it (and what reading it counted is
+    counted again), or read and then kept (only once read to its end: a reader closed midway stores
+    nothing partial)."""
     for index in range(unit, len(units)):
         first_after = after if index == unit else None
         whole = first_after is None  # read from its start: served from / kept in the cache
         cached = cache.get(units[index]) if cache is not None and whole else None
-        if cached is not None:
+        if cache is not None and cached is not None:
+            errors.replay(cache.tally(units[index]))
             for table in cached:
                 yield index, table
             continue
+        before = errors.snapshot() if cache is not None and whole else None
         prepared: list[pa.Table] = []
         for table in reader.read(units[index], first_after):
             if table.num_rows:
                 if not is_prepared(table):  # `psrec data convert --prepared` did it already
                     checkpoint()  # a held input gate pauses the read between decoding and preparing
-                    table = prepare_table(schema, table)
+                    table = _prepare(schema, table, errors, units[index])
                 prepared.append(table)
                 yield index, table
-        if cache is not None and whole:
-            cache.put(units[index], prepared)
+        if cache is not None and before is not None:
+            cache.put(units[index], prepared, errors.snapshot().since(before))
 
 
 def _last_offset(table: pa.Table) -> int:
@@ -287,18 +310,24 @@ class BatchReader:
         return dict(self._position)
 
     def stats(self) -> dict[str, Any]:
-        """Counts so far and the dataset's shape.
+        """Counts so far and the dataset's shape (plain JSON).
 
-        rows_read (delivered in batches), batches, rows_skipped and skipped_samples (file, location
-        "line N" / "row N", reason, text of the first bad rows skipped), files, units, shard_units,
-        shard_rows (rows of this shard; Parquet only, else None).
+        - rows_read (delivered in batches), batches;
+        - rows_skipped and skipped_samples (file, location "line N" / "row N", reason, text of the
+          first bad rows skipped);
+        - units_failed, bytes_lost (of the files as stored), rows_lost (Parquet row groups only) and
+          failed_units (file, location, reason, bytes_lost, rows_lost of each unit not read to its
+          end; the rows before the damage were delivered);
+        - dense_values_missing, dense_values_filled (NaN/infinite -> fill), dense_values_clipped
+          (beyond float32 -> nearest float32), and per feature: dense_values {name: {missing,
+          filled, clipped}};
+        - files, units, shard_units, shard_rows (rows of this shard; Parquet only, else None).
         """
         return {
             **self._info,
             "rows_read": self._rows,
             "batches": self._batches,
-            "rows_skipped": self._errors.count,
-            "skipped_samples": [sample.as_dict() for sample in self._errors.samples],
+            **self._errors.snapshot().as_dict(),
         }
 
     def close(self) -> None:
@@ -382,7 +411,7 @@ def open_reader(
         return np.random.default_rng([seed, shard, window]).permutation(rows)
 
     def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
-        stream = _stream(format_reader, schema, units, start["unit"], start["after"], cache)
+        stream = _stream(format_reader, schema, units, start["unit"], start["after"], errors, cache)
         grouped = windows(
             stream,
             start=(start["unit"], start["after"]),

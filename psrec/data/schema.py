@@ -19,15 +19,22 @@ Example (YAML, as it appears in a run config)::
       paths: ["day_*.tsv.gz"]
       on_error: skip
 
-Transforms of a dense feature apply in this order: missing (empty, null, NaN) -> `fill`; then `clip`
-to [low, high]; then `log1p`, which first clamps negatives to 0 (Criteo's -1 counts become 0, as in
-DLRM's preprocessing).
+Labels are binary: every model trains on them with binary cross-entropy, so a label must be 0 or 1
+(libfm's -1 is read as 0); any other value, NaN included, makes the row a bad row (`on_error`).
+
+Transforms of a dense feature apply in this order: missing (empty, null) -> `fill`; a value that is
+not a finite float32 (text "nan"/"inf", a NaN or infinity in Parquet, a number beyond +-3.4e38) ->
+as `invalid` says: "fill" (the default: NaN and infinities -> `fill`, numbers beyond float32's range
+-> the nearest float32; both counted in the reader's stats), "skip" (the row is skipped and counted)
+or "raise" (the row raises, naming file, line and feature); then `clip` to [low, high]; then `log1p`,
+which first clamps negatives to 0 (Criteo's -1 counts become 0, as in DLRM's preprocessing).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from psrec.data.feature_hashing import namespace_tag
@@ -45,12 +52,21 @@ class _Strict(BaseModel):
 
 
 class DenseFeature(_Strict):
-    """A float feature: missing values are filled, then clipped, then optionally log1p-transformed."""
+    """A float feature: missing values are filled, values that are not finite float32 numbers handled
+    as `invalid` says, then clipped, then optionally log1p-transformed (see the module docstring)."""
 
     name: str = Field(min_length=1)
     fill: float = 0.0
     log1p: bool = False
     clip: tuple[float, float] | None = None
+    invalid: Literal["fill", "skip", "raise"] = "fill"
+
+    @field_validator("fill")
+    @classmethod
+    def _fill_finite(cls, value: float) -> float:
+        if not abs(value) <= float(np.finfo(np.float32).max):
+            raise ValueError(f"fill must be a finite float32 number, got {value}")
+        return value
 
     @field_validator("clip")
     @classmethod
@@ -157,7 +173,11 @@ class DataSource(_Strict):
     - `split_bytes` (text formats): uncompressed text files are cut into byte ranges of this size,
       the unit of sharding and resume (a gzip file is one unit). Parquet's unit is the row group.
     - `on_error`: "raise" stops at the first malformed row with file, line and text; "skip" counts
-      it, logs a sample and goes on (see `BatchReader.stats()`).
+      it, logs a sample and goes on (see `BatchReader.stats()`). A unit that cannot be read to its
+      end (a file cut short, corrupt or unreadable) raises, or is counted apart (`units_failed`,
+      `bytes_lost`), named in a warning, and the rows before the damage are kept.
+    - `allow_empty`: a file without rows (empty, or only a header or blank lines) is an error
+      unless this is true.
     """
 
     format: Literal["criteo_tsv", "csv", "libfm", "parquet", "interactions"]
@@ -168,6 +188,7 @@ class DataSource(_Strict):
     field_ranges: dict[str, tuple[int, int]] | None = None
     split_bytes: int = Field(default=DEFAULT_SPLIT_BYTES, gt=0)
     on_error: Literal["raise", "skip"] = "raise"
+    allow_empty: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> DataSource:

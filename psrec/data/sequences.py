@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,21 @@ import pyarrow.csv as pa_csv
 from psrec.data.batch import Batch, PaddedSequence, SparseBatch
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, pad_sequences
-from psrec.data.lines import LineCounter, line_blocks
+from psrec.data.lines import (
+    DamagedStream,
+    LineCounter,
+    carriage_return_lines,
+    check_not_empty,
+    line_blocks,
+    report_damage,
+)
 from psrec.data.schema import Schema, SequenceFeature
 from psrec.data.units import Unit
 
 logger = logging.getLogger(__name__)
 
 USERS_PER_UNIT = 256
+_INTEGER = re.compile(rb"\t*-?[0-9]+\t*")  # pyarrow trims tabs around a number
 SEQUENCE_COLUMNS = ("seq", "pos", "neg")
 
 
@@ -87,13 +96,22 @@ def _parse_lines(path: str, errors: BadRows) -> tuple[np.ndarray, np.ndarray]:
     counter = LineCounter(path)
     options = (
         pa_csv.ReadOptions(column_names=["user", "item"]),
-        pa_csv.ParseOptions(delimiter=" "),
-        pa_csv.ConvertOptions(column_types={"user": pa.int64(), "item": pa.int64()}),
+        pa_csv.ParseOptions(delimiter=" ", quote_char=False),  # no quoting: a " is data
+        pa_csv.ConvertOptions(column_types={"user": pa.int64(), "item": pa.int64()}, null_values=[]),
     )
-    for block in line_blocks(Unit(0, path, 0, -1)):
+    unit = Unit(0, path, 0, -1)
+    blocks = line_blocks(unit)
+    while True:
         try:
+            block = next(blocks, None)
+        except DamagedStream as damage:  # the lines before the damage are kept
+            report_damage(errors, counter, unit, damage)
+            break
+        if block is None:
+            break
+        try:  # a lone CR would pass for a line end: such blocks take the line-by-line path
             table = pa_csv.read_csv(pa.py_buffer(block.data), *options)
-            parsed = table.num_rows == block.starts.size
+            parsed = table.num_rows == block.starts.size and not carriage_return_lines(block).size
         except pa.ArrowInvalid:
             parsed = False
         if parsed:
@@ -104,9 +122,10 @@ def _parse_lines(path: str, errors: BadRows) -> tuple[np.ndarray, np.ndarray]:
             item = np.zeros(block.starts.size, np.int64)
             good = np.zeros(block.starts.size, bool)
             for line in range(block.starts.size):
-                fields = block.line(line).split()
-                if len(fields) == 2 and all(f.lstrip("-").isdigit() for f in fields):
-                    user[line], item[line] = int(fields[0]), int(fields[1])
+                fields = block.data[int(block.starts[line]) : int(block.ends[line])].split(b" ")
+                numbers = [int(f) for f in fields if _INTEGER.fullmatch(f)]  # what pyarrow reads as int64
+                if len(fields) == 2 and len(numbers) == 2 and all(abs(n) < 1 << 63 for n in numbers):
+                    user[line], item[line] = numbers
                     good[line] = user[line] >= 0 and item[line] >= 1
         for bad in np.flatnonzero(~good).tolist():
             offset = block.offset + int(block.starts[bad])
@@ -158,7 +177,9 @@ def sample_negatives(rng: np.random.Generator, count: int, num_items: int, exclu
 class InteractionsFormat:
     """Training rows (one per user) for `open_reader`; see `psrec.data.reader.FormatReader`."""
 
-    def __init__(self, files: list[Path], schema: Schema, errors: BadRows, *, seed: int) -> None:
+    def __init__(
+        self, files: list[Path], schema: Schema, errors: BadRows, *, seed: int, allow_empty: bool = False
+    ) -> None:
         available = {"label", "user", *SEQUENCE_COLUMNS}
         wanted = set(schema.label_names) | set(schema.feature_names)
         if not wanted <= available:
@@ -167,6 +188,7 @@ class InteractionsFormat:
             )
         self.schema = schema
         self.seed = seed
+        files = [path for path in files if check_not_empty(str(path), allow_empty=allow_empty)]
         self.data = load_interactions(files, errors=errors)
         self.eligible = np.array(
             [self.data.split(i)[0].size >= 2 for i in range(self.data.users.size)], dtype=bool

@@ -5,9 +5,17 @@ the schema's columns (`features.text_column_types`: labels and dense as float64,
 text, pass-through ids as int64; empty = missing). A block that fails to parse is bisected, still
 with pyarrow, down to the lines that fail on their own: those are the bad rows, reported with file,
 line number and text (or skipped), and every other line of the block is kept. So a bad row costs
-a few extra parses of its block, and good input pays nothing for the line precision.
+a few extra parses of its block, and good input pays nothing for the line precision. Rows that
+parse are then checked for values no model may see (`features.bad_rows`: labels other than 0 or 1,
+dense values a feature's `invalid` refuses, bad pass-through ids).
 
-Criteo TSV has no quoting (a `"` is data); CSV uses `"` quotes but no line breaks inside values.
+A file that is cut short or corrupt (`lines.DamagedStream`) keeps the rows before the damage; its
+unfinished last line is a bad row, and the unit is reported as failed (`BadRows.report_unit`). A
+file with no rows is an error unless the source sets `allow_empty`.
+
+Criteo TSV has no quoting (a `"` is data); CSV uses `"` quotes but no line breaks inside values. A
+carriage return inside a line (not ending it as CRLF) makes the line a bad row: pyarrow would take
+it for a line end and split the line, or merge it with an empty one.
 """
 
 from __future__ import annotations
@@ -22,9 +30,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 
-from psrec.data.errors import BadRows
+from psrec.data.errors import BadRows, Policy
 from psrec.data.features import ROW_ID, bad_rows, text_column_types
-from psrec.data.lines import LineBlock, LineCounter, header_line, line_blocks
+from psrec.data.lines import (
+    DamagedStream,
+    LineBlock,
+    LineCounter,
+    carriage_return_lines,
+    check_not_empty,
+    header_line,
+    line_blocks,
+    report_damage,
+)
 from psrec.data.schema import DataSource, Schema
 from psrec.data.units import Unit, row_id_base, text_units
 
@@ -49,8 +66,12 @@ class DelimitedFormat:
     def units(self) -> list[Unit]:
         units = []
         for index, path in enumerate(self.files):
-            self._check_columns(str(path))
-            units.extend(text_units(index, path, self.source.split_bytes))
+            has_rows = check_not_empty(
+                str(path), allow_empty=self.source.allow_empty, skip_header=self.source.has_header
+            )
+            if has_rows:
+                self._check_columns(str(path))
+                units.extend(text_units(index, path, self.source.split_bytes))
         return units
 
     def _check_columns(self, path: str) -> list[str]:
@@ -103,48 +124,56 @@ class DelimitedFormat:
             return f"column {name}: cannot parse {match[3]!r} as {match[2]}"
         return message.splitlines()[0] if message else type(error).__name__
 
-    def _bisect(self, block: LineBlock, lines: np.ndarray, path: str, bad: list[int]) -> list[pa.Table]:
+    def _bisect(
+        self, block: LineBlock, lines: np.ndarray, path: str, bad: list[int], stray: np.ndarray
+    ) -> list[pa.Table]:
         """Tables of the good lines among `lines` (indices into the block), in order.
 
         A line that fails on its own is reported at once (so under on_error "raise" the first bad
-        line of the block raises) and appended to `bad`.
+        line of the block raises) and appended to `bad`. Lines in `stray` (a carriage return inside)
+        are bad without a parse: one could split into two rows where another gives none.
         """
-        data = b"\n".join(block.data[int(block.starts[i]) : int(block.ends[i])] for i in lines)
-        try:
-            table = self._parse(data, path, threads=lines.size > 1)
-            if table.num_rows == lines.size:
-                return [table]
-            error: Exception = ValueError(
-                f"{lines.size} line(s) parse as {table.num_rows} rows (a stray carriage return?)"
-            )
-        except pa.ArrowInvalid as failure:
-            error = failure
+        held = np.isin(lines, stray)
+        error: Exception = ValueError("a carriage return inside the line (lines end with LF or CRLF)")
+        if not held.any():
+            data = b"\n".join(block.data[int(block.starts[i]) : int(block.ends[i])] for i in lines)
+            try:
+                table = self._parse(data, path, threads=lines.size > 1)
+                if table.num_rows == lines.size:
+                    return [table]
+                error = ValueError(f"{lines.size} line(s) parse as {table.num_rows} rows")
+            except pa.ArrowInvalid as failure:
+                error = failure
         if lines.size == 1:
             self._report(block, int(lines[0]), path, self._reason(error, path))
             bad.append(int(lines[0]))
             return []
         middle = lines.size // 2
-        left = self._bisect(block, lines[:middle], path, bad)
-        return left + self._bisect(block, lines[middle:], path, bad)
+        left = self._bisect(block, lines[:middle], path, bad, stray)
+        return left + self._bisect(block, lines[middle:], path, bad, stray)
 
     def _parse_block(self, block: LineBlock, path: str) -> tuple[pa.Table | None, np.ndarray]:
         """(table, line index of each row) of a block; no table when every line is bad."""
         lines = np.arange(block.starts.size)
-        try:
-            table = self._parse(block.data, path)
-            if table.num_rows == lines.size:
-                return table, lines
-        except pa.ArrowInvalid:
-            pass
+        stray = carriage_return_lines(block)  # pyarrow would take a lone CR for a line end
+        if not stray.size:
+            try:
+                table = self._parse(block.data, path)
+                if table.num_rows == lines.size:
+                    return table, lines
+            except pa.ArrowInvalid:
+                pass
         bad: list[int] = []
-        tables = self._bisect(block, lines, path, bad)
+        tables = self._bisect(block, lines, path, bad, stray)
         keep = np.setdiff1d(lines, np.array(bad, dtype=np.int64))
         return (pa.concat_tables(tables) if tables else None), keep
 
-    def _report(self, block: LineBlock, line: int, path: str, reason: str) -> None:
+    def _report(
+        self, block: LineBlock, line: int, path: str, reason: str, policy: Policy | None = None
+    ) -> None:
         counter = self._counters.setdefault(path, LineCounter(path))
         offset = block.offset + int(block.starts[line])
-        self.errors.report(path, lambda: f"line {counter(offset)}", reason, block.line(line))
+        self.errors.report(path, lambda: f"line {counter(offset)}", reason, block.line(line), policy=policy)
 
     def read(self, unit: Unit, after: int | None) -> Iterator[pa.Table]:
         """The rows of `unit` whose line starts after byte `after` (all when None), with `__row_id`."""
@@ -160,11 +189,13 @@ class DelimitedFormat:
                 problems = bad_rows(self.schema, table)
                 if problems:
                     keep = np.ones(table.num_rows, dtype=bool)
-                    for index, reason in problems:
-                        self._report(block, int(lines[index]), unit.path, reason)
+                    for index, reason, policy in problems:
+                        self._report(block, int(lines[index]), unit.path, reason, policy)
                         keep[index] = False
                     table = table.filter(pa.array(keep))
                 if table.num_rows:
                     yield table
-        except OSError as error:
-            self.errors.report(unit.path, f"bytes {unit.start}-{unit.stop}", f"unreadable file: {error}")
+        except DamagedStream as damage:
+            report_damage(
+                self.errors, self._counters.setdefault(unit.path, LineCounter(unit.path)), unit, damage
+            )

@@ -155,7 +155,7 @@ def test_truncated_last_line(tmp_path: Path) -> None:
 def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "broken.tsv.gz").write_bytes(gzip.compress(criteo_line().encode() * 50)[:-30] + b"garbage")
     source = TSV.model_copy(update={"paths": ["broken.tsv.gz"]})
-    with pytest.raises(BadRowError, match="broken.tsv.gz.*unreadable"):
+    with pytest.raises(BadRowError, match="broken.tsv.gz, line 1: (corrupt gzip data|the gzip stream ends)"):
         read_batches(source, criteo_schema(), tmp_path)
     with pytest.raises(FileNotFoundError, match="missing.tsv"):
         read_batches(source.model_copy(update={"paths": ["missing.tsv"]}), criteo_schema(), tmp_path)
