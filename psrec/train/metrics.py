@@ -2,6 +2,7 @@
 
 CTR metrics (labels y in {0, 1}, scores s; B samples):
 
+- NaN labels are refused (ValueError) by every CTR metric.
 - ``auc`` = P(s_pos > s_neg) + 0.5 P(s_pos = s_neg), computed exactly from average ranks
   (Mann-Whitney U): ``(sum of positive ranks - P (P + 1) / 2) / (P N)``. Equal to scikit-learn's
   ``roc_auc_score``. NaN when only one class is present.
@@ -51,6 +52,17 @@ def _as_numpy(values: ArrayLike, dtype: type = np.float64) -> np.ndarray:
     return np.asarray(values, dtype=dtype).reshape(-1)
 
 
+def _check_labels(labels: np.ndarray, metric: str) -> None:
+    """Refuse NaN labels: a NaN would silently count as a negative (auc) or poison the mean (logloss)."""
+    missing = np.isnan(labels)
+    if missing.any():
+        raise ValueError(
+            f"{metric}: {int(missing.sum())} of {labels.size} labels are NaN (first at index "
+            f"{int(np.flatnonzero(missing)[0])}); labels must be 0 or 1: the data readers refuse other "
+            "labels, so these came from elsewhere"
+        )
+
+
 def _average_ranks(values: np.ndarray) -> np.ndarray:
     """1-based ranks of `values` (ascending), ties sharing their average rank."""
     order = np.argsort(values, kind="mergesort")
@@ -70,6 +82,7 @@ def auc(labels: ArrayLike, scores: ArrayLike) -> float:
     s = _as_numpy(scores)
     if y.size != s.size:
         raise ValueError(f"auc: {y.size} labels but {s.size} scores")
+    _check_labels(y, "auc")
     positive = y > 0.5
     num_positive = int(positive.sum())
     num_negative = y.size - num_positive
@@ -85,6 +98,7 @@ def logloss(labels: ArrayLike, probabilities: ArrayLike) -> float:
     p = np.clip(_as_numpy(probabilities), LOGLOSS_EPSILON, 1 - LOGLOSS_EPSILON)
     if y.size != p.size:
         raise ValueError(f"logloss: {y.size} labels but {p.size} probabilities")
+    _check_labels(y, "logloss")
     if y.size == 0:
         return float("nan")
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
@@ -100,6 +114,7 @@ def gauc(labels: ArrayLike, scores: ArrayLike, users: ArrayLike) -> float:
     u = _as_numpy(users, dtype=np.int64)
     if not y.size == s.size == u.size:
         raise ValueError(f"gauc: sizes differ: {y.size} labels, {s.size} scores, {u.size} users")
+    _check_labels(y, "gauc")
     if y.size == 0:
         return float("nan")
     _, user_index = np.unique(u, return_inverse=True)

@@ -40,6 +40,21 @@ def test_auc_accepts_torch_and_is_nan_for_one_class() -> None:
     assert math.isnan(auc([1, 1], [0.1, 0.2]))
 
 
+def test_ctr_metrics_refuse_nan_labels() -> None:
+    """A NaN label would count as a negative in auc and make logloss NaN: refused, with where."""
+    labels = [1.0, float("nan"), 0.0, 1.0]
+    with pytest.raises(ValueError, match=r"auc: 1 of 4 labels are NaN \(first at index 1\)"):
+        auc(labels, [0.9, 0.2, 0.1, 0.8])
+    with pytest.raises(ValueError, match=r"logloss: 1 of 4 labels are NaN"):
+        logloss(labels, [0.9, 0.2, 0.1, 0.8])
+    with pytest.raises(ValueError, match=r"gauc: 1 of 4 labels are NaN"):
+        gauc(labels, [0.9, 0.2, 0.1, 0.8], [1, 1, 2, 2])
+    accumulator = BinaryMetricAccumulator()
+    accumulator.update(torch.tensor(labels), torch.tensor([0.9, 0.2, 0.1, 0.8]))
+    with pytest.raises(ValueError, match="labels are NaN"):
+        accumulator.compute()
+
+
 def test_logloss_clips_probabilities() -> None:
     assert logloss([1, 0], [0.0, 1.0]) == pytest.approx(-math.log(1e-7))
 
