@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import zlib
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from psrec.data.units import Unit, is_gzip
 logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 4 * 1024 * 1024
-COMPRESSED_CHUNK = 256 * 1024  # compressed bytes decoded at a time
+COMPRESSED_CHUNK = 1024 * 1024  # compressed bytes read at a time
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib reads the gzip header and trailer
 
 
@@ -74,16 +75,17 @@ class GzipStream:
     a cut or a corrupt byte, and only the read after them raises `DamagedStream`.
     """
 
-    def __init__(self, path: str, *, chunk: int = COMPRESSED_CHUNK) -> None:
+    def __init__(self, path: str, *, chunk: int = COMPRESSED_CHUNK, out_chunk: int = BLOCK_BYTES) -> None:
         self.path = path
         self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
         self._size = os.fstat(self._file.fileno()).st_size
         self._chunk = chunk
+        self._out_chunk = out_chunk
         self._inflate: zlib._Decompress | None = None
         self._input = b""  # compressed bytes read and not yet decoded
         self._read = 0  # compressed bytes read from the file
-        self._output: list[bytes] = []
-        self._buffered = 0
+        self._output: deque[bytes] = deque()
+        self._offset = 0  # bytes of the first output chunk already returned
         self._done = False
         self._error: DamagedStream | None = None
 
@@ -92,11 +94,11 @@ class GzipStream:
         self._done = True
 
     def _decode(self, data: bytes) -> None:
-        """Decode `data` (a whole compressed chunk, or what a corrupt one holds before its damage)."""
+        """Decode (some of) `data`, compressed bytes that end where the file's bytes read so far end."""
         assert self._inflate is not None
         before = self._inflate.copy()
         try:
-            out = self._inflate.decompress(data)
+            out = self._inflate.decompress(data, self._out_chunk)
         except zlib.error as error:
             # Keep what decodes: the longest prefix of `data` that decodes, found by bisection.
             low, high, out = 0, len(data), b""
@@ -109,19 +111,17 @@ class GzipStream:
                     high = middle
                 else:
                     low, out = middle, decoded
-            self._append(out)
-            unread = self._size - (self._read - len(self._input) - len(data) + low)
-            self._fail(f"corrupt gzip data ({error})", unread)
+            if out:
+                self._output.append(out)
+            self._fail(f"corrupt gzip data ({error})", self._size - (self._read - len(data) + low))
             return
-        self._append(out)
-        if self._inflate.eof:  # end of a member: another may follow
-            self._input = self._inflate.unused_data + self._input
-            self._inflate = None
-
-    def _append(self, out: bytes) -> None:
         if out:
             self._output.append(out)
-            self._buffered += len(out)
+        if self._inflate.eof:  # end of a member: another may follow
+            self._input = self._inflate.unused_data
+            self._inflate = None
+        else:
+            self._input = self._inflate.unconsumed_tail
 
     def _fill(self) -> None:
         if not self._input:
@@ -137,21 +137,24 @@ class GzipStream:
             if not self._input:
                 return
             self._inflate = zlib.decompressobj(_GZIP_WBITS)
-        data, self._input = self._input, b""
-        self._decode(data)
+        self._decode(self._input)
 
     def read(self, size: int) -> bytes:
-        """Up to `size` bytes; b"" at the end; `DamagedStream` once the bytes before damage are read."""
-        while self._buffered < size and not self._done:
+        """Up to `size` bytes (b"" at the end); `DamagedStream` once every byte before damage is read."""
+        while not self._output and not self._done:
             self._fill()
-        if not self._buffered:
+        if not self._output:
             if self._error is not None:
                 raise self._error
             return b""
-        data = b"".join(self._output)
-        out, rest = data[:size], data[size:]
-        self._output = [rest] if rest else []
-        self._buffered = len(rest)
+        first = self._output[0]
+        if self._offset == 0 and len(first) <= size:
+            return self._output.popleft()
+        out = first[self._offset : self._offset + size]
+        self._offset += len(out)
+        if self._offset == len(first):
+            self._output.popleft()
+            self._offset = 0
         return out
 
     def close(self) -> None:

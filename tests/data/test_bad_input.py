@@ -315,3 +315,11 @@ def test_an_empty_file_is_an_error_unless_allowed(
     with caplog.at_level(logging.WARNING):
         batches, stats = read(source.model_copy(update={"allow_empty": True}), schema, tmp_path)
     assert rows_of(batches) == 0 and f"{name} has" in caplog.text
+
+
+def test_concatenated_gzip_members_and_zero_padding_read_as_one_file(tmp_path: Path) -> None:
+    """`GzipStream` decodes every member of a gzip file (as `cat a.gz b.gz` makes), as gzip does."""
+    first, second = criteo_text(30, seed=7), criteo_text(20, seed=8)
+    (tmp_path / "day.tsv.gz").write_bytes(gzip.compress(first) + gzip.compress(second) + bytes(16))
+    batches, stats = read(TSV, criteo_schema(), tmp_path)
+    assert rows_of(batches) == 50 and stats["units_failed"] == 0
