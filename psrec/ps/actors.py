@@ -30,6 +30,8 @@ MAINTENANCE_METHODS = frozenset(
         "set_learning_rate",
         "table_rows",
         "confirm_checkpoint",
+        "record_versions",
+        "version_log",
     }
 )
 

@@ -9,7 +9,11 @@ in-process runtime and the unit tests use it directly. It adds to the embedding 
 - **async mode**: each push is applied on arrival;
 - **idempotence**: every push carries a request id that grows per trainer; a push whose id is not
   newer than the last one applied (or buffered) for that trainer is a retry and is dropped, so a
-  push retried after a crash is applied at most once.
+  push retried after a crash is applied at most once;
+- **row versions** (opt-in, for tests of bounded staleness): after `record_versions()`, the shard
+  counts the updates applied to every row (its version) and logs, for every training pull, the
+  version of each row it returned (`version_log()`). A sync step of N trainers is one update of a
+  row, an async push one update per push. Off, it costs one attribute test per pull and push.
 """
 
 from __future__ import annotations
@@ -25,6 +29,28 @@ logger = logging.getLogger(__name__)
 
 # table name -> (unique ids, gradient rows)
 TableGradients = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+# One training pull's row versions: table -> (ids, updates applied to each id's row when it was read)
+VersionRead = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class _VersionLog:
+    versions: dict[str, dict[int, int]] = field(default_factory=dict)  # table -> id -> version
+    reads: list[VersionRead] = field(default_factory=list)
+
+    def updated(self, table: str, ids: np.ndarray) -> None:
+        versions = self.versions.setdefault(table, {})
+        for key in np.unique(ids).tolist():  # one update per row, however many trainers sent it
+            versions[key] = versions.get(key, 0) + 1
+
+    def read(self, requests: dict[str, np.ndarray]) -> None:
+        read: VersionRead = {}
+        for table, ids in requests.items():
+            versions = self.versions.get(table, {})
+            read[table] = (ids.copy(), np.array([versions.get(key, 0) for key in ids.tolist()], np.int64))
+        self.reads.append(read)
 
 
 @dataclass
@@ -60,6 +86,18 @@ class ParameterShard:
         self._markers = {name: table.delta_marker() for name, table in tables.items()}
         self._staged_markers: dict[str, int] = {}
         self.needs_full_checkpoint = False
+        self._version_log: _VersionLog | None = None
+
+    def record_versions(self) -> None:
+        """Count every row's updates from now on and log each training pull's versions (see the
+        module docstring); a new call starts from zero. Restores and snapshots are not tracked."""
+        self._version_log = _VersionLog()
+
+    def version_log(self) -> list[VersionRead]:
+        """Every training pull since `record_versions`, in arrival order: table -> (ids, versions)."""
+        if self._version_log is None:
+            raise RuntimeError(f"shard {self.shard_index}: record_versions() was not called")
+        return self._version_log.reads
 
     def pull(
         self,
@@ -71,10 +109,13 @@ class ParameterShard:
         """Rows (n, dim) float32 for each table's ids; in training, new admitted ids are inserted.
         A table named in `out` gets its rows written into that array (see `EmbeddingTable.pull`)."""
         out = out or {}
-        return {
+        rows = {
             name: self._table(name).pull(ids, train=train, out=out.get(name))
             for name, ids in requests.items()
         }
+        if train and self._version_log is not None:
+            self._version_log.read(requests)
+        return rows
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
         """Apply (async) or buffer-then-apply (sync) one trainer's gradients; False if it was a retry."""
@@ -93,7 +134,7 @@ class ParameterShard:
         if self.mode == "async" or self.num_trainers == 1:
             self.last_request[trainer] = request_id
             for name, (ids, grads) in gradients.items():
-                self.tables[name].push(ids, grads, step=step)
+                self._update(name, ids, grads, step)
             self.applied_step = max(self.applied_step, step)
             self.pushes_applied += 1
             return True
@@ -120,10 +161,15 @@ class ParameterShard:
         for name, pairs in pending.gradients.items():
             ids = np.concatenate([ids for ids, _ in pairs])
             grads = np.concatenate([grads for _, grads in pairs])
-            self.tables[name].push(ids, grads, step=pending.step)
+            self._update(name, ids, grads, pending.step)
         self.applied_step = pending.step
         self.pushes_applied += len(pending.trainers)
         self._pending = None
+
+    def _update(self, name: str, ids: np.ndarray, grads: np.ndarray, step: int) -> None:
+        self.tables[name].push(ids, grads, step=step)
+        if self._version_log is not None:
+            self._version_log.updated(name, ids)
 
     def set_learning_rate(self, lr: float, tables: list[str] | None = None) -> None:
         for name in tables or list(self.tables):
