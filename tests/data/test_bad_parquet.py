@@ -180,3 +180,15 @@ def test_sequences_of_uint64_ids_are_checked_too(tmp_path: Path) -> None:
     )
     with pytest.raises(BadRowError, match=r"t.parquet, row 1: history: id 18446744073709551615 outside"):
         read(SOURCE, schema, tmp_path)
+
+
+def test_an_unreadable_parquet_file_is_a_failed_unit_not_a_skipped_row(tmp_path: Path) -> None:
+    write(tmp_path)
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    source = DataSource(format="parquet", paths=["t.parquet", "broken.parquet"])
+    with pytest.raises(BadRowError, match=r"broken.parquet, file: unreadable Parquet file"):
+        read(source, SCHEMA, tmp_path)
+    (batch,), stats = read(source.model_copy(update={"on_error": "skip"}), SCHEMA, tmp_path)
+    assert batch.batch_size == 4 and stats["rows_skipped"] == 0
+    assert stats["units_failed"] == 1 and stats["bytes_lost"] == 15
+    assert stats["failed_units"][0]["file"] == str(tmp_path / "broken.parquet")
