@@ -14,7 +14,8 @@ psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expe
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
 `populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
-pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process). Every ratio is taken
+pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process), tensorflow (the DLRM in
+TensorFlow/Keras, run by the Python given with --tf-python; skipped without one). Every ratio is taken
 between equal precisions: "x pytorch" of a bf16 system divides by pytorch-bf16, "of ceil" by the
 dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one);
 only "x fp32*" crosses precisions (over the same system in fp32) and says so.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--profile", action="store_true", help="print psrec's per-phase step breakdown")
     parser.add_argument("--plot", help="write the throughput figure here (needs matplotlib)")
     parser.add_argument("--plot-add", nargs="*", default=[], help="earlier --json reports to plot alongside")
+    parser.add_argument(
+        "--tf-python",
+        help="Python of an environment with TensorFlow for the 'tensorflow' system "
+        "(sets PSREC_BENCH_TF_PYTHON; e.g. /tmp/tfvenv/bin/python)",
+    )
     parser.add_argument("--no-isolate", action="store_true", help="run systems in this process (debugging)")
     parser.add_argument("--report", help="do not run: print (and --plot) a saved --json report")
     parser.set_defaults(func=run)
@@ -62,7 +69,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from psrec.bench.harness import run_bench
+    from psrec.bench.tf_system import PYTHON_VARIABLE
     from psrec.bench.workload import Workload
+
+    if args.tf_python:
+        os.environ[PYTHON_VARIABLE] = args.tf_python  # the isolated system processes inherit it
 
     workload = Workload(
         dim=args.dim,

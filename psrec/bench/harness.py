@@ -27,7 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from psrec.bench import psrec_systems, torch_systems
+from psrec.bench import psrec_systems, tf_system, torch_systems
 from psrec.bench.psrec_systems import PsrecLayout, PsrecOptions
 from psrec.bench.workload import Workload, prepare_sources
 
@@ -187,6 +187,12 @@ _SYSTEMS = [
         "(c) psrec-bf16-prepared with populate: false (reserved rows backed as they are first written)",
         "ceiling-bf16",
         options=PsrecOptions(dense_precision="bf16", prepared=True, populate=False),
+    ),
+    # Optional, in a Python of its own (PSREC_BENCH_TF_PYTHON / --tf-python); skipped without one.
+    System(
+        "tensorflow",
+        "TensorFlow/Keras DLRM (Adagrad + Adam), its own Python process",
+        tf_system.run_tensorflow,
     ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
