@@ -51,6 +51,8 @@ from psrec.train.worker import ChunkResult
 
 logger = logging.getLogger(__name__)
 
+MAX_FAILED_UNITS = 100  # failed units listed in the summary (all are counted)
+
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
@@ -69,6 +71,9 @@ class TrainState:
     bad_evals: int = 0
     lr_factor: float = 1.0
     history: list[dict[str, Any]] = field(default_factory=list)
+    # bad input besides skipped rows: units failed, bytes and rows lost, dense values filled/clipped
+    input_counts: dict[str, int] = field(default_factory=dict)
+    failed_units: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_FAILED_UNITS
     # (step after the chunk, row ids the chunk consumed): the exact-once data accounting.
     consumed: list[tuple[int, np.ndarray]] = field(default_factory=list)
     rows_before_resume: int = 0
@@ -86,6 +91,8 @@ class TrainState:
         "best_step",
         "bad_evals",
         "lr_factor",
+        "input_counts",
+        "failed_units",
     )
 
     def extra(self) -> dict[str, Any]:
@@ -312,7 +319,11 @@ class Driver:
         row_ids = []
         for result in results:
             state.samples += result.samples
-            state.rows_skipped += result.rows_skipped
+            state.rows_skipped += result.input_counts.get("rows_skipped", 0)
+            for key, value in result.input_counts.items():
+                if key != "rows_skipped":
+                    state.input_counts[key] = state.input_counts.get(key, 0) + value
+            state.failed_units += result.failed_units[: MAX_FAILED_UNITS - len(state.failed_units)]
             self.bytes_pulled += result.bytes_pulled
             self.bytes_pushed += result.bytes_pushed
             if result.samples:
@@ -495,6 +506,7 @@ class Driver:
             "rows_consumed": state.rows_consumed(),
             "rows_consumed_unique": state.rows_consumed_unique(),
             "rows_skipped": state.rows_skipped,
+            "input": {**state.input_counts, "failed_units": state.failed_units},
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
             "resumed_from": self.resumed_from,

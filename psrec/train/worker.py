@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,21 @@ class ChunkResult:
     phase_seconds: dict[str, float]
     bytes_pulled: int
     bytes_pushed: int
-    rows_skipped: int = 0  # malformed rows skipped (on_error: skip) since the previous chunk
+    # since the previous chunk: malformed rows skipped, units not read to their end, bytes and rows
+    # lost with them, dense values filled or clipped (`INPUT_COUNTS`), and the failed units themselves
+    input_counts: dict[str, int] = field(default_factory=dict)
+    failed_units: list[dict[str, Any]] = field(default_factory=list)
+
+
+# The reader's counters of bad input (`BatchReader.stats`) that travel to the driver's summary.
+INPUT_COUNTS = (
+    "rows_skipped",
+    "units_failed",
+    "bytes_lost",
+    "rows_lost",
+    "dense_values_filled",
+    "dense_values_clipped",
+)
 
 
 class TrainerWorker:
@@ -127,7 +141,8 @@ class TrainerWorker:
         self._reader: Any = None
         self._batches: Any = None
         self._snapshots: dict[str, dict[str, Any]] = {}
-        self._skipped_reported = 0
+        self._input_reported: dict[str, int] = {}  # the reader's counters already reported
+        self._failed_reported = 0
         self._interactions: Any = None
         self._store_listener: socket.socket | None = None  # trainer 0's, until the group forms
 
@@ -262,7 +277,8 @@ class TrainerWorker:
             cache=self._data_cache,
         )
         self._batches = iter(self._reader)
-        self._skipped_reported = 0
+        self._input_reported = {}
+        self._failed_reported = 0
 
     def epoch_steps(self) -> int | None:
         """Steps this trainer's share of the epoch takes, when the format knows its rows (Parquet)."""
@@ -297,8 +313,7 @@ class TrainerWorker:
                 if result.row_ids is not None:
                     row_ids.append(result.row_ids)
         self.step += steps
-        skipped = int(self._reader.stats().get("rows_skipped", 0))
-        skipped_now, self._skipped_reported = skipped - self._skipped_reported, skipped
+        input_counts, failed_units = self._input_report()
         return ChunkResult(
             steps=steps,
             samples=samples,
@@ -310,8 +325,19 @@ class TrainerWorker:
             phase_seconds={k: v - before.get(k, 0.0) for k, v in self.runner.timer.seconds.items()},
             bytes_pulled=self.client.bytes_pulled - pulled,
             bytes_pushed=self.client.bytes_pushed - pushed,
-            rows_skipped=skipped_now,
+            input_counts=input_counts,
+            failed_units=failed_units,
         )
+
+    def _input_report(self) -> tuple[dict[str, int], list[dict[str, Any]]]:
+        """The reader's bad-input counters and failed units since the last report (this epoch's reader)."""
+        stats = self._reader.stats()
+        counts = {key: int(stats.get(key) or 0) for key in INPUT_COUNTS}
+        delta = {key: value - self._input_reported.get(key, 0) for key, value in counts.items()}
+        failed = list(stats.get("failed_units") or [])
+        new_failed = failed[self._failed_reported :]
+        self._input_reported, self._failed_reported = counts, len(failed)
+        return delta, new_failed
 
     def evaluate(self, split: str) -> dict[str, np.ndarray]:
         """This trainer's share of `split`, evaluated without changing or growing any table.
