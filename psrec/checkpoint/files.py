@@ -8,6 +8,10 @@ file, never a half-written one under the final name:
 2. ``rename`` it onto the final name (atomic within one file system);
 3. ``fsync`` the directory so that the rename itself survives a power loss.
 
+On an object store (a `psrec.storage.StoragePath`) there is no rename and none is needed: an object
+appears whole when its upload completes, so a file is built in memory and uploaded under its final
+name; a torn upload is caught by the size and sha256 the manifest records.
+
 Formats never unpickle: arrays are NumPy ``.npz`` read with ``allow_pickle=False``; dense torch state is
 ``torch.save`` read back with ``torch.load(weights_only=True)``; small state is JSON.
 
@@ -25,19 +29,22 @@ import shutil
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 import torch
+
+from psrec.storage import Location, StoragePath
 
 TEMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
 
 
-def fsync_directory(path: Path) -> None:
-    """Make renames and creations inside ``path`` durable."""
+def fsync_directory(path: Location) -> None:
+    """Make renames and creations inside ``path`` durable (nothing to do on an object store)."""
+    if isinstance(path, StoragePath):
+        return
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
@@ -50,20 +57,38 @@ def temp_name(name: str) -> str:
     return f"{TEMP_PREFIX}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def discard_directory(path: Path) -> None:
-    """Remove ``path`` atomically first (rename to a `TRASH_PREFIX` name), then delete its files."""
+def discard_directory(path: Location, *, commit_marker: str = "manifest.json") -> None:
+    """Remove ``path`` atomically first (rename to a `TRASH_PREFIX` name), then delete its files.
+
+    On an object store (no rename) its ``commit_marker`` goes first, so readers stop listing it as
+    committed before any of its other files disappear.
+    """
+    if isinstance(path, StoragePath):
+        (path / commit_marker).unlink(missing_ok=True)
+        path.rmtree()
+        return
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
     os.rename(path, trash)
     fsync_directory(path.parent)
     shutil.rmtree(trash)
 
 
-def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync_directory: bool = True) -> None:
+def atomic_write(
+    path: Location, write: Callable[[IO[bytes]], object], *, sync_directory: bool = True
+) -> tuple[str, int] | None:
     """Write ``path`` through ``write(file)`` atomically: temp name, flush, fsync, rename, fsync dir.
 
     ``sync_directory=False`` skips the directory fsync, for a caller that fsyncs the directory once
-    after writing several files into it.
+    after writing several files into it. On an object store the bytes are built in memory and
+    uploaded under the final name; their (sha256, size) is returned, so that the caller need not
+    read the object back (None for a local file).
     """
+    if isinstance(path, StoragePath):
+        buffer = io.BytesIO()
+        write(buffer)
+        data = buffer.getvalue()
+        path.write_bytes(data)
+        return hashlib.sha256(data).hexdigest(), len(data)
     temporary = path.with_name(temp_name(path.name))
     try:
         with open(temporary, "xb") as file:
@@ -76,14 +101,29 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], object], *, sync_direc
         raise
     if sync_directory:
         fsync_directory(path.parent)
+    return None
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, sync_directory: bool = True) -> None:
-    atomic_write(path, lambda file: file.write(data), sync_directory=sync_directory)
+def atomic_write_bytes(path: Location, data: bytes, *, sync_directory: bool = True) -> tuple[str, int] | None:
+    return atomic_write(path, lambda file: file.write(data), sync_directory=sync_directory)
 
 
-def sha256_of_file(path: Path) -> str:
+def record_of(path: Location, written: tuple[str, int] | None) -> tuple[str, int]:
+    """(sha256, size) of a file just written: what the upload reported, or read back from disk."""
+    if written is not None:
+        size = path.stat().st_size  # the store's own account of the object
+        if size != written[1]:
+            raise OSError(f"{path}: {size} bytes stored, {written[1]} uploaded")
+        return written
+    return sha256_of_file(path), path.stat().st_size
+
+
+def sha256_of_file(path: Location) -> str:
     digest = hashlib.sha256()
+    if isinstance(path, StoragePath):
+        for chunk in path.read_chunks(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+        return digest.hexdigest()
     with open(path, "rb") as file:
         while chunk := file.read(_HASH_CHUNK_BYTES):
             digest.update(chunk)
@@ -100,17 +140,21 @@ def fingerprint(value: Any) -> str:
     return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
 
 
-def write_json(path: Path, value: Any, *, sync_directory: bool = True) -> None:
+def write_json(path: Location, value: Any, *, sync_directory: bool = True) -> tuple[str, int] | None:
     data = json.dumps(value, sort_keys=True, indent=1).encode("utf-8")
-    atomic_write_bytes(path, data, sync_directory=sync_directory)
+    return atomic_write_bytes(path, data, sync_directory=sync_directory)
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Location) -> Any:
+    if isinstance(path, StoragePath):
+        return json.loads(path.read_bytes().decode("utf-8"))
     with open(path, encoding="utf-8") as file:
         return json.load(file)
 
 
-def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], *, sync_directory: bool = True) -> None:
+def write_arrays(
+    path: Location, arrays: Mapping[str, np.ndarray], *, sync_directory: bool = True
+) -> tuple[str, int] | None:
     """Store a flat ``{name: array}`` dict as an uncompressed ``.npz`` (no object arrays: no pickle)."""
     for name, array in arrays.items():
         if not isinstance(name, str) or not name:
@@ -127,15 +171,18 @@ def write_arrays(path: Path, arrays: Mapping[str, np.ndarray], *, sync_directory
                 with archive.open(f"{name}.npy", mode="w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
 
-    atomic_write(path, write, sync_directory=sync_directory)
+    return atomic_write(path, write, sync_directory=sync_directory)
 
 
-def read_arrays(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as archive:
+def read_arrays(path: Location) -> dict[str, np.ndarray]:
+    source = io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path
+    with np.load(source, allow_pickle=False) as archive:
         return {name: archive[name] for name in archive.files}
 
 
-def write_torch_state(path: Path, state: Mapping[str, Any], *, sync_directory: bool = True) -> None:
+def write_torch_state(
+    path: Location, state: Mapping[str, Any], *, sync_directory: bool = True
+) -> tuple[str, int] | None:
     """Store a (nested) state dict of tensors and plain values; see `read_torch_state`."""
     buffer = io.BytesIO()
     torch.save(dict(state), buffer)
@@ -150,8 +197,9 @@ def write_torch_state(path: Path, state: Mapping[str, Any], *, sync_directory: b
             "dense state must hold only tensors and plain Python values (it is read back with "
             f"torch.load(weights_only=True)): {detail.split('. Please')[0]}"
         ) from None
-    atomic_write_bytes(path, buffer.getvalue(), sync_directory=sync_directory)
+    return atomic_write_bytes(path, buffer.getvalue(), sync_directory=sync_directory)
 
 
-def read_torch_state(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def read_torch_state(path: Location) -> dict[str, Any]:
+    source = io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path
+    return torch.load(source, map_location="cpu", weights_only=True)

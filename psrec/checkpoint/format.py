@@ -8,6 +8,10 @@ A checkpoint is one directory under ``RUN_DIR/checkpoints/``::
       trainers.json                {"trainers": [per-trainer reader position, ...], "extra": {...}}
       manifest.json                written LAST: the commit marker (`psrec.checkpoint.manifest`)
 
+``RUN_DIR`` is a local path or a store URI (`psrec.storage`). On an object store, which cannot rename a
+directory, each checkpoint is written straight into a directory of its own unique name,
+``ckpt-{step:09d}-{kind}.{8 hex digits}``; the manifest, written last, still commits it.
+
 A delta's shard files hold only the rows changed or removed since its parent; its dense state, trainer
 positions and ``extra`` are whole. Every file is a safe format: nothing is ever unpickled.
 """
@@ -17,19 +21,19 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from psrec.checkpoint.policy import Kind
+from psrec.storage import Location, StoragePath, location
 
 FORMAT_VERSION = 1
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.pt"
 TRAINERS_FILE = "trainers.json"
-NAME_PATTERN = re.compile(r"^ckpt-(\d{9})-(full|delta)$")
+NAME_PATTERN = re.compile(r"^ckpt-(\d{9})-(full|delta)(\.[0-9a-f]{8})?$")
 MAX_STEP = 10**9 - 1
 
 
@@ -58,14 +62,16 @@ class CheckpointData:
 
 @dataclass(frozen=True)
 class PendingCheckpoint:
-    """A checkpoint being written: a temporary directory nobody lists. Picklable, so shard processes on
-    the same file system can each `write_shard` into it while the coordinator later commits it.
+    """A checkpoint being written: a temporary directory nobody lists (on an object store: its final,
+    unique directory, which nobody loads before its manifest is there). Picklable, so shard
+    processes that reach the same storage can each `write_shard` into it while the coordinator later
+    commits it.
     """
 
-    run_dir: Path
+    run_dir: Location
     step: int
     kind: Kind
-    directory: Path
+    directory: Location
     started: float  # unix seconds
 
 
@@ -85,5 +91,5 @@ def shard_file(shard_id: int) -> str:
     return f"shard-{shard_id}.npz"
 
 
-def checkpoints_root(run_dir: str | os.PathLike[str]) -> Path:
-    return Path(run_dir) / CHECKPOINTS_DIR
+def checkpoints_root(run_dir: str | os.PathLike[str] | StoragePath) -> Location:
+    return location(run_dir) / CHECKPOINTS_DIR

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Collection
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from psrec.checkpoint import files
@@ -28,6 +28,10 @@ from psrec.checkpoint.format import (
 )
 from psrec.checkpoint.manifest import read_manifest, scan
 from psrec.checkpoint.policy import CheckpointRef, choose_restore_chain, config_differences, show_value
+from psrec.storage import StorageError, StoragePath, location
+
+# Files of a checkpoint read or verified at once (reads of a store wait on the network, not the CPU).
+READ_THREADS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +45,17 @@ def _file_problem(ref: CheckpointRef, manifest: dict[str, Any], name: str, *, ch
         size = path.stat().st_size
     except FileNotFoundError:
         return f"{name} is missing"
+    except StorageError as error:
+        return f"{name} is unreadable: {error}"
     if size != expected["size"]:
         return f"{name} has {size} bytes, the manifest says {expected['size']} (truncated or overwritten)"
     if checksum:
-        actual = files.sha256_of_file(path)
+        try:
+            actual = files.sha256_of_file(path)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except StorageError as error:
+            return f"{name} is unreadable: {error}"
         if actual != expected["sha256"]:
             return f"{name} is corrupt: sha256 {actual}, the manifest says {expected['sha256']}"
     return None
@@ -55,10 +66,17 @@ def _problem(ref: CheckpointRef, *, checksums: bool = True) -> str | None:
         manifest = read_manifest(ref)
     except CheckpointError as error:
         return str(error).removeprefix(f"{ref.name}: ")
-    for name in [*(shard_file(s) for s in manifest["shards"]), DENSE_FILE, TRAINERS_FILE]:
-        if problem := _file_problem(ref, manifest, name, checksum=checksums):
-            return problem
-    return None
+    names = [*(shard_file(s) for s in manifest["shards"]), DENSE_FILE, TRAINERS_FILE]
+    found = _in_parallel(lambda name: _file_problem(ref, manifest, name, checksum=checksums), names)
+    return next((problem for problem in found if problem), None)
+
+
+def _in_parallel(function: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """``[function(item) for item in items]``, several at once (file reads and checksums)."""
+    if len(items) <= 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(max_workers=min(READ_THREADS, len(items))) as pool:
+        return list(pool.map(function, items))
 
 
 def cached_problems(*, checksums: bool) -> Callable[[CheckpointRef], str | None]:
@@ -94,21 +112,31 @@ def load_checkpoint(
     if absent:
         raise CheckpointError(f"{ref.name} has no shard(s) {absent}; it has {manifest['shards']}")
     names = [*(shard_file(s) for s in wanted), *([DENSE_FILE] if dense else []), TRAINERS_FILE]
-    for name in names:
-        if problem := _file_problem(ref, manifest, name, checksum=True):
+    for problem in _in_parallel(lambda name: _file_problem(ref, manifest, name, checksum=True), names):
+        if problem:
             raise CheckpointError(f"{ref.name}: {problem}")
-    small = files.read_json(ref.path / TRAINERS_FILE)
+    try:
+        small = files.read_json(ref.path / TRAINERS_FILE)
+        arrays = _in_parallel(lambda s: files.read_arrays(ref.path / shard_file(s)), wanted)
+        dense_state = files.read_torch_state(ref.path / DENSE_FILE) if dense else {}
+    except (StorageError, FileNotFoundError) as error:
+        raise CheckpointError(f"{ref.path}: {error}") from None
     return CheckpointData(
         step=manifest["step"],
-        shards={s: files.read_arrays(ref.path / shard_file(s)) for s in wanted},
-        dense=files.read_torch_state(ref.path / DENSE_FILE) if dense else {},
+        shards=dict(zip(wanted, arrays, strict=True)),
+        dense=dense_state,
         trainers=small["trainers"],
         extra=small["extra"],
     )
 
 
+def load_chain(ref_chain: list[CheckpointRef], *, shards: Collection[int]) -> list[CheckpointData]:
+    """`load_checkpoint` of every checkpoint of a chain (shard files only), read in parallel."""
+    return _in_parallel(lambda ref: load_checkpoint(ref, shards=shards, dense=False), ref_chain)
+
+
 def resolve_restore_chain(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | StoragePath,
     *,
     config: dict[str, Any],
     ignore_fields: Collection[str] = (),
@@ -124,7 +152,7 @@ def resolve_restore_chain(
     config before the comparison (the trainer re-validates it, so that a field added to the schema
     since the checkpoint, at its default, is not a difference).
     """
-    refs, broken = scan(Path(run_dir))
+    refs, broken = scan(location(run_dir))
     for path, reason in broken:
         logger.warning("skipping checkpoint %s: %s", path.name, reason)
     decision = choose_restore_chain(refs, cached_problems(checksums=True), at_step=at_step)

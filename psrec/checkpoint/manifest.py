@@ -15,7 +15,6 @@ import os
 import time
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from psrec.checkpoint import files
@@ -28,6 +27,7 @@ from psrec.checkpoint.format import (
     checkpoints_root,
 )
 from psrec.checkpoint.policy import CheckpointRef, Kind, checkpoint_order
+from psrec.storage import Location, StorageError, StoragePath, location
 
 
 def build_manifest(
@@ -83,19 +83,27 @@ def link(ref: CheckpointRef) -> dict[str, Any]:
     return {"id": ref.checkpoint_id, "name": ref.name, "step": ref.step}
 
 
-def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[CheckpointRef]:
+def list_checkpoints(run_dir: str | os.PathLike[str] | StoragePath) -> list[CheckpointRef]:
     """Committed checkpoints (manifest present and intact), oldest first. Files are not verified."""
-    return scan(Path(run_dir))[0]
+    return scan(location(run_dir))[0]
 
 
-def scan(run_dir: Path) -> tuple[list[CheckpointRef], list[tuple[Path, str]]]:
-    """Committed refs, and the checkpoint-named directories that are not usable with the reason."""
+def scan(run_dir: Location) -> tuple[list[CheckpointRef], list[tuple[Location, str]]]:
+    """Committed refs, and the checkpoint-named directories that are not usable with the reason.
+
+    Raises `CheckpointError` naming the location when the store cannot be listed.
+    """
     root = checkpoints_root(run_dir)
     refs: list[CheckpointRef] = []
-    broken: list[tuple[Path, str]] = []
-    if not root.is_dir():
-        return refs, broken
-    for path in sorted(root.iterdir()):
+    broken: list[tuple[Location, str]] = []
+    try:
+        if not root.is_dir():
+            return refs, broken
+        entries: list[Location] = list(root.iterdir())
+        entries.sort(key=lambda entry: entry.name)
+    except StorageError as error:
+        raise CheckpointError(f"cannot list the checkpoints in {root}: {error}") from None
+    for path in entries:
         if not NAME_PATTERN.match(path.name) or not path.is_dir():
             continue
         if not (path / MANIFEST_FILE).exists():
@@ -116,7 +124,7 @@ def read_manifest(ref: CheckpointRef) -> dict[str, Any]:
     return manifest
 
 
-def read_manifest_at(path: Path) -> dict[str, Any]:
+def read_manifest_at(path: Location) -> dict[str, Any]:
     """The manifest of the checkpoint directory ``path``, checked for version and integrity."""
     where = f"{path.name}: manifest.json"
     try:
@@ -143,7 +151,7 @@ def read_manifest_at(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def ref_from_manifest(path: Path, manifest: dict[str, Any]) -> CheckpointRef:
+def ref_from_manifest(path: Location, manifest: dict[str, Any]) -> CheckpointRef:
     parent, base = manifest.get("parent"), manifest.get("base")
     return CheckpointRef(
         path=path,

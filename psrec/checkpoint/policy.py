@@ -15,10 +15,10 @@ import fnmatch
 import json
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from psrec.checkpoint.files import canonical_json
+from psrec.storage import Location
 
 Kind = Literal["full", "delta"]
 
@@ -27,7 +27,7 @@ Kind = Literal["full", "delta"]
 class CheckpointRef:
     """A committed checkpoint, as listed from its manifest. Plain data: the decisions take lists of these."""
 
-    path: Path
+    path: Location  # a local Path or a StoragePath (s3://...)
     step: int
     kind: Kind
     checkpoint_id: str

@@ -9,6 +9,11 @@ a temporary name (``.tmp-...``), fsynced and renamed into place; then the manife
 killed at any instant therefore leaves a temporary directory, or a directory without a manifest, neither
 of which is ever listed or loaded. Saving, retention and other writers must not run concurrently on the
 same run directory; readers may.
+
+On an object store (``RUN_DIR`` an ``s3://``... URI) nothing is renamed: the checkpoint's directory gets
+a unique final name (``ckpt-000000100-full.1a2b3c4d``), every file is uploaded once under its final
+name, the manifest is the last upload and the commit, and a checkpoint of the same step and kind
+that this one replaces is deleted only after the commit (manifest first).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from pathlib import Path
+import uuid
 from typing import Any
 
 import numpy as np
@@ -36,14 +41,15 @@ from psrec.checkpoint.format import (
     checkpoints_root,
     shard_file,
 )
-from psrec.checkpoint.manifest import build_manifest, chain_links, ref_from_manifest
+from psrec.checkpoint.manifest import build_manifest, chain_links, ref_from_manifest, scan
 from psrec.checkpoint.policy import CheckpointRef, Kind
+from psrec.storage import Location, StorageError, StoragePath, location
 
 logger = logging.getLogger(__name__)
 
 
 def save_checkpoint(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | StoragePath,
     data: CheckpointData,
     *,
     config: dict[str, Any],
@@ -77,19 +83,25 @@ def save_checkpoint(
         raise
 
 
-def begin_checkpoint(run_dir: str | os.PathLike[str], *, step: int, kind: Kind) -> PendingCheckpoint:
-    """Create the temporary directory of a new checkpoint (step between 0 and 999,999,999)."""
+def begin_checkpoint(
+    run_dir: str | os.PathLike[str] | StoragePath, *, step: int, kind: Kind
+) -> PendingCheckpoint:
+    """Create the temporary directory of a new checkpoint (step between 0 and 999,999,999); on an
+    object store, name its unique final directory (created by its first file)."""
     if kind not in ("full", "delta"):
         raise ValueError(f"kind must be 'full' or 'delta', got {kind!r}")
     if not isinstance(step, int) or not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be an int in [0, {MAX_STEP}], got {step!r}")
     root = checkpoints_root(run_dir)
+    if isinstance(root, StoragePath):
+        directory = root / f"{checkpoint_name(step, kind)}.{uuid.uuid4().hex[:8]}"
+        return PendingCheckpoint(location(run_dir), step, kind, directory, time.time())
     if not root.is_dir():
         root.mkdir(parents=True, exist_ok=True)
         files.fsync_directory(root.parent)
-    directory = root / files.temp_name(checkpoint_name(step, kind))
-    directory.mkdir()
-    return PendingCheckpoint(Path(run_dir), step, kind, directory, time.time())
+    local = root / files.temp_name(checkpoint_name(step, kind))
+    local.mkdir()
+    return PendingCheckpoint(location(run_dir), step, kind, local, time.time())
 
 
 def write_shard(pending: PendingCheckpoint, shard_id: int, arrays: dict[str, np.ndarray]) -> FileRecord:
@@ -99,12 +111,24 @@ def write_shard(pending: PendingCheckpoint, shard_id: int, arrays: dict[str, np.
     if not isinstance(shard_id, int) or shard_id < 0:
         raise ValueError(f"shard ids must be non-negative ints, got {shard_id!r}")
     path = pending.directory / shard_file(shard_id)
-    files.write_arrays(path, arrays, sync_directory=False)  # commit_checkpoint fsyncs the directory
-    return FileRecord(sha256=files.sha256_of_file(path), size=path.stat().st_size)
+    try:
+        written = files.write_arrays(path, arrays, sync_directory=False)  # commit fsyncs the directory
+        sha256, size = files.record_of(path, written)
+    except StorageError as error:
+        raise CheckpointError(
+            f"{pending.directory.name}: cannot write {shard_file(shard_id)}: {error}"
+        ) from None
+    return FileRecord(sha256=sha256, size=size)
 
 
 def abort_checkpoint(pending: PendingCheckpoint) -> None:
     """Throw away an uncommitted checkpoint (retention would also remove it later)."""
+    if isinstance(pending.directory, StoragePath):
+        try:
+            pending.directory.rmtree()
+        except StorageError as error:
+            logger.warning("could not delete the aborted checkpoint %s: %s", pending.directory, error)
+        return
     shutil.rmtree(pending.directory, ignore_errors=True)
 
 
@@ -123,6 +147,32 @@ def commit_checkpoint(
 
     ``shard_files`` must hold the record of every `write_shard` call; see `save_checkpoint` for the rest.
     """
+    try:
+        return _commit(
+            pending,
+            shard_files=shard_files,
+            dense=dense,
+            trainers=trainers,
+            extra=extra,
+            config=config,
+            bucket_map=bucket_map,
+            parent=parent,
+        )
+    except StorageError as error:
+        raise CheckpointError(f"cannot commit checkpoint {pending.directory}: {error}") from None
+
+
+def _commit(
+    pending: PendingCheckpoint,
+    *,
+    shard_files: dict[int, FileRecord],
+    dense: dict[str, Any],
+    trainers: list[dict[str, Any]],
+    extra: dict[str, Any],
+    config: dict[str, Any],
+    bucket_map: Any,
+    parent: CheckpointRef | None,
+) -> CheckpointRef:
     temporary = pending.directory
     links = _check_commit_arguments(pending.step, pending.kind, parent, config, [bucket_map, trainers, extra])
     written = {p.name for p in temporary.iterdir() if p.name.startswith("shard-")}
@@ -135,22 +185,35 @@ def commit_checkpoint(
         if (temporary / shard_file(shard_id)).stat().st_size != record.size:
             raise CheckpointError(f"{temporary.name}: {shard_file(shard_id)} does not have its recorded size")
         records[shard_file(shard_id)] = {"sha256": record.sha256, "size": record.size}
-    files.write_torch_state(temporary / DENSE_FILE, dense, sync_directory=False)
-    files.write_json(temporary / TRAINERS_FILE, {"trainers": trainers, "extra": extra}, sync_directory=False)
-    for name in (DENSE_FILE, TRAINERS_FILE):
-        records[name] = {
-            "sha256": files.sha256_of_file(temporary / name),
-            "size": (temporary / name).stat().st_size,
-        }
+    uploads = {
+        DENSE_FILE: files.write_torch_state(temporary / DENSE_FILE, dense, sync_directory=False),
+        TRAINERS_FILE: files.write_json(
+            temporary / TRAINERS_FILE, {"trainers": trainers, "extra": extra}, sync_directory=False
+        ),
+    }
+    for name, upload in uploads.items():
+        sha256, size = files.record_of(temporary / name, upload)
+        records[name] = {"sha256": sha256, "size": size}
     files.fsync_directory(temporary)  # makes the renames of all the files above durable
 
     name = checkpoint_name(pending.step, pending.kind)
-    final = temporary.parent / name
-    if final.exists():
-        logger.warning("replacing existing checkpoint directory %s", final)
-        files.discard_directory(final)
-    os.rename(temporary, final)
-    files.fsync_directory(final.parent)
+    final: Location
+    replaced: list[Location] = []
+    if isinstance(temporary, StoragePath):  # no rename: the directory already has its final name
+        final = temporary
+        name = final.name
+        replaced = [
+            ref.path
+            for ref in scan(pending.run_dir)[0]
+            if ref.step == pending.step and ref.kind == pending.kind and ref.path != final
+        ]
+    else:
+        final = temporary.parent / name
+        if final.exists():
+            logger.warning("replacing existing checkpoint directory %s", final)
+            files.discard_directory(final)
+        os.rename(temporary, os.fspath(final))
+        files.fsync_directory(final.parent)
 
     manifest = build_manifest(
         pending,
@@ -162,6 +225,9 @@ def commit_checkpoint(
         file_records=records,
     )
     files.write_json(final / MANIFEST_FILE, manifest)
+    for path in replaced:  # after the commit: there is always a committed checkpoint of this step
+        logger.warning("replacing existing checkpoint %s by %s", path, final.name)
+        files.discard_directory(path, commit_marker=MANIFEST_FILE)
     total_bytes = sum(f["size"] for f in records.values())
     logger.info(
         "saved checkpoint %s (%d files, %.1f MiB) in %.3f s",

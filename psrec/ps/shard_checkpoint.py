@@ -2,14 +2,16 @@
 
 The same two calls serve a shard actor, an in-process shard and a collective trainer's local
 partition: each writes only its own file (in parallel with the others) and reads only its own file of
-each checkpoint of the chain.
+each checkpoint of the chain (the chain's files in parallel). A pending checkpoint names its
+storage by path or URI only: each shard process opens the store itself and uploads its own file.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint, load_checkpoint, write_shard
+from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint, write_shard
+from psrec.checkpoint.load import load_chain
 from psrec.ps.shard import ParameterShard
 
 
@@ -20,8 +22,8 @@ def write_shard_checkpoint(shard: ParameterShard, pending: PendingCheckpoint, ki
 
 def restore_shard(shard: ParameterShard, chain: list[CheckpointRef], step: int) -> None:
     """Load this shard's file of each checkpoint of `chain` (full first, then deltas) into its tables."""
+    loaded = load_chain(chain, shards=[shard.shard_index])
     arrays: list[tuple[str, dict[str, np.ndarray]]] = [
-        (ref.kind, load_checkpoint(ref, shards=[shard.shard_index], dense=False).shards[shard.shard_index])
-        for ref in chain
+        (ref.kind, data.shards[shard.shard_index]) for ref, data in zip(chain, loaded, strict=True)
     ]
     shard.restore_arrays(arrays, step=step)
