@@ -82,8 +82,10 @@ class TableDelta:
     """Rows inserted or updated since a marker (full contents) and ids removed since it.
 
     Applying a delta removes ``removed_ids`` first, then writes the rows, so an id removed and
-    re-inserted after the marker ends up present. ``config`` carries the table config plus the
-    ``since`` and ``until`` markers.
+    re-inserted after the marker ends up present. ``config`` carries the table config (its clock and
+    admission pull counter included) plus the ``since`` and ``until`` markers; the admission state
+    is carried whole, so a table restored from a full state and its deltas admits ids exactly as the
+    table that exported them.
     """
 
     config: dict[str, Any]
@@ -95,6 +97,7 @@ class TableDelta:
     optimizer_state: dict[str, np.ndarray] = field(default_factory=dict)
     row_scale: np.ndarray | None = None
     row_offset: np.ndarray | None = None
+    admission_sketch: np.ndarray | None = None  # the whole sketch at ``until``, min_count admission only
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return _to_arrays(self)

@@ -556,7 +556,10 @@ class EmbeddingTable:
         removed = [ids for clock, ids in self._removal_log if clock >= since_clock]
         config = self.config() | {"since": int(since), "until": self.delta_marker()}
         removed_ids = np.concatenate(removed) if removed else np.zeros(0, dtype=np.int64)
-        return TableDelta(config=config, removed_ids=removed_ids, **self._export_rows(rows))
+        sketch = None if self._admission.sketch is None else self._admission.sketch.copy()
+        return TableDelta(
+            config=config, removed_ids=removed_ids, admission_sketch=sketch, **self._export_rows(rows)
+        )
 
     def forget_deltas_before(self, marker: int) -> None:
         """Drop the removal records older than ``marker`` to bound their memory (8 bytes per removed
@@ -567,14 +570,31 @@ class EmbeddingTable:
         self._removals_kept_from = clock
 
     def apply_delta(self, delta: TableDelta) -> None:
-        """Apply a delta exported by a compatible table: remove, then write rows whole."""
+        """Apply a delta exported by a compatible table: remove, then write rows whole; take its clock
+        and admission state."""
         self._check_compatible(delta.config, "delta")
         self._check_rows(delta, "delta")
         removed_ids = self._check_ids(delta.removed_ids, "delta removed_ids")
+        sketch = self._admission.sketch
+        if (
+            sketch is not None
+            and delta.admission_sketch is not None
+            and delta.admission_sketch.shape != sketch.shape
+        ):
+            raise ValueError(
+                self._message(
+                    f"delta admission sketch has shape {delta.admission_sketch.shape}, expected {sketch.shape}"
+                )
+            )
         self._remove_present(removed_ids)
         if delta.last_step.shape[0]:
             self._clock = max(self._clock, int(delta.last_step.max()))
+        self._clock = max(self._clock, int(delta.config.get("clock", 0)))
         self._write_rows(delta)
+        if sketch is not None and delta.admission_sketch is not None:
+            sketch[:] = delta.admission_sketch
+        if "admission_pull_counter" in delta.config:
+            self._admission.pull_counter = int(delta.config["admission_pull_counter"])
 
     # ---------------------------------------------------------------------------------------- memory
     def memory_bytes(self) -> dict[str, int]:

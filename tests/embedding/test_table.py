@@ -394,3 +394,27 @@ def test_forgetting_removal_records_refuses_older_markers() -> None:
 
 def test_warmup_runs_every_kernel() -> None:
     assert warmup() >= 0.0
+
+
+@pytest.mark.parametrize(
+    "admission",
+    [AdmissionSpec("min_count", min_count=2, sketch_width=256), AdmissionSpec("probability", probability=0.4)],
+    ids=["min_count", "probability"],
+)
+def test_a_full_plus_delta_restore_admits_like_the_original(admission: AdmissionSpec) -> None:
+    """The admission state (min_count sketch, probability pull counter) travels in deltas too: a table
+    restored from full + delta admits the same ids as the undisturbed table afterwards."""
+    table = make_table(admission=admission, seed=3)
+    table.pull(np.arange(0, 50, dtype=np.int64))
+    full = table.export_state()
+    marker = table.delta_marker()
+    table.pull(np.arange(40, 120, dtype=np.int64))  # seen once more (sketch) / one more pull (counter)
+    table.push(np.arange(0, 10, dtype=np.int64), np.ones((10, 4), np.float32), step=1)
+    delta = TableDelta.from_arrays(table.export_delta(marker).to_arrays())
+    restored = make_table(admission=admission, seed=3)
+    restored.import_state(TableState.from_arrays(full.to_arrays()))
+    restored.apply_delta(delta)
+    later = np.arange(60, 260, dtype=np.int64)
+    table.pull(later)
+    restored.pull(later)
+    assert_same_snapshot(restored.export_state().to_arrays(), table.export_state().to_arrays())
