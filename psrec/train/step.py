@@ -14,7 +14,10 @@ Consistency (see `psrec.ps.shard`):
   submission order, so the next step's pull, submitted after the push, still sees it (exact).
 - **async** with staleness k: pushes are not waited for; the rows of the next batch are pulled
   (prefetched) before the current step runs, and a trainer never has more than k steps of its own
-  pushes unacknowledged. Rows a step uses may therefore miss at most the last k steps' updates.
+  pushes unacknowledged. Rows a step uses may therefore miss at most the last k steps of the
+  trainer's own updates (`tests/train/test_staleness.py`). Other trainers' pushes are not waited
+  for: with several async trainers a row may also miss another trainer's updates of up to k + 1
+  steps, and `staleness: 0` is then not sync (each push is applied as its own optimizer step).
 
 Task parallelism (the step's stages overlap, none of it changes a result):
 
