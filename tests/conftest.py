@@ -103,3 +103,24 @@ def small_run_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -
         "ps": {"runtime": "local", "num_shards": 2, "num_buckets": 64},
     }
     return parse_config(data, overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[Any]:
+    """An S3-compatible moto server on 127.0.0.1 (`tests/s3_server.py`); skips without moto."""
+    from tests.s3_server import S3Server
+
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on `s3_server`, with the environment (credentials, endpoint, short time-outs)
+    that points psrec's S3 file system at it; returns the bucket's name."""
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    return str(s3_server.create_bucket())

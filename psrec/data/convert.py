@@ -33,7 +33,7 @@ from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, mark_prepared, prepare_table, schema_fingerprint
 from psrec.data.reader import make_format_reader
 from psrec.data.schema import DataSource, Schema
-from psrec.data.units import Unit, expand_paths
+from psrec.data.units import Unit, expand_paths, local_files
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def convert_to_parquet(
             f"convert reads csv, criteo_tsv or libfm files (and Parquet with prepared=True), not {source.format!r}"
         )
     errors = BadRows(source.on_error)
-    files = expand_paths(source.paths, base_dir)
+    files = local_files(expand_paths(source.paths, base_dir))
     output = Path(output_dir)
     refuse_overlap(files, output)
     reader = make_format_reader(source, schema, files, errors)

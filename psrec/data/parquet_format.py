@@ -17,8 +17,7 @@ bytes lost). A file without rows is an error unless the source sets `allow_empty
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +34,8 @@ from psrec.data.features import (
     schema_fingerprint,
 )
 from psrec.data.schema import Schema, SequenceFeature, SparseFeature
-from psrec.data.units import Unit, parquet_units, row_id_base
+from psrec.data.units import Unit, parquet_file, parquet_units, row_id_base
+from psrec.storage import Location
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ class ParquetFormat:
     """Reads the schema's columns of Parquet files; see `psrec.data.reader` for the protocol."""
 
     def __init__(
-        self, files: list[Path], schema: Schema, errors: BadRows, *, allow_empty: bool = False
+        self, files: Sequence[Location], schema: Schema, errors: BadRows, *, allow_empty: bool = False
     ) -> None:
-        self.files = files
+        self.files = list(files)
         self.schema = schema
         self.errors = errors
         self.allow_empty = allow_empty
@@ -121,7 +121,7 @@ class ParquetFormat:
         """Text columns of single-valued hashed features: read dictionary-encoded, so each distinct
         value of a row group is decoded and hashed once (3x faster reads, 10x faster hashing)."""
         if path not in self._dictionary:
-            schema = pq.read_schema(path)
+            schema = parquet_file(path).schema_arrow
             self._dictionary[path] = [
                 f.name
                 for f in self.schema.sparse
@@ -175,7 +175,7 @@ class ParquetFormat:
 
     def _report_row_group(self, unit: Unit, first: int, error: Exception) -> None:
         try:
-            group = pq.ParquetFile(unit.path).metadata.row_group(unit.row_group)
+            group = parquet_file(unit.path).metadata.row_group(unit.row_group)
             stored = sum(group.column(i).total_compressed_size for i in range(group.num_columns))
         except (OSError, pa.ArrowException):
             stored = 0
@@ -193,7 +193,7 @@ class ParquetFormat:
         if first >= unit.stop:
             return
         try:
-            parquet = pq.ParquetFile(unit.path, read_dictionary=self._dictionary_columns(unit.path))
+            parquet = parquet_file(unit.path, read_dictionary=self._dictionary_columns(unit.path))
             names = set(parquet.schema_arrow.names)
             missing = [c for c in self.columns if c not in names]
             if missing:

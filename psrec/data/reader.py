@@ -40,7 +40,7 @@ Typical use, one reader per epoch::
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,7 +53,8 @@ from psrec.data.batch import Batch
 from psrec.data.errors import BadRows, Tally
 from psrec.data.features import ROW_ID, is_prepared, prepare_table, table_to_batch
 from psrec.data.schema import DataSource, Schema
-from psrec.data.units import OFFSET_MASK, Unit, expand_paths, shard_units
+from psrec.data.units import OFFSET_MASK, Unit, expand_paths, local_files, shard_units
+from psrec.storage import Location
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +70,12 @@ class FormatReader(Protocol):
 
 
 def make_format_reader(
-    source: DataSource, schema: Schema, files: list[Path], errors: BadRows, *, seed: int = 0
+    source: DataSource, schema: Schema, files: Sequence[Location], errors: BadRows, *, seed: int = 0
 ) -> FormatReader:
     """The format reader for `source` (imports lazily: each format is its own module).
 
-    `seed` only matters for interactions, whose training rows carry sampled negatives.
+    `seed` only matters for interactions, whose training rows carry sampled negatives. Only Parquet
+    reads from a store (`files` holding URIs); the other formats raise ValueError for one.
     """
     if source.format == "parquet":
         from psrec.data.parquet_format import ParquetFormat
@@ -82,14 +84,14 @@ def make_format_reader(
     if source.format in ("csv", "criteo_tsv"):
         from psrec.data.text_format import DelimitedFormat
 
-        return DelimitedFormat(files, source, schema, errors)
+        return DelimitedFormat(local_files(files), source, schema, errors)
     if source.format == "libfm":
         from psrec.data.libfm_format import LibfmFormat
 
-        return LibfmFormat(files, source, schema, errors)
+        return LibfmFormat(local_files(files), source, schema, errors)
     from psrec.data.sequences import InteractionsFormat
 
-    return InteractionsFormat(files, schema, errors, seed=seed, allow_empty=source.allow_empty)
+    return InteractionsFormat(local_files(files), schema, errors, seed=seed, allow_empty=source.allow_empty)
 
 
 @dataclass

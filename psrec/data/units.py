@@ -14,15 +14,21 @@ dataset, the same for every epoch and seed. Each row has a stable global id::
     row_id = file_index * 2**40 + offset   # offset: row number in a Parquet file, byte offset of
                                            # the line in a text file (uncompressed), user id for
                                            # interactions
+
+A path may be a store URI (``s3://bucket/data/*.parquet``, `psrec.storage`; a glob only in its last
+part): Parquet is read through the store's pyarrow file system; the text formats read local files.
 """
 
 from __future__ import annotations
 
 import glob
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from psrec.storage import Location, StoragePath, is_uri
 
 OFFSET_BITS = 40
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
@@ -44,11 +50,15 @@ def row_id_base(file_index: int) -> int:
     return file_index << OFFSET_BITS
 
 
-def expand_paths(patterns: list[str], base_dir: str | Path = ".") -> list[Path]:
-    """Files named by `patterns` (paths or globs; relative ones resolved against `base_dir`), in order."""
+def expand_paths(patterns: list[str], base_dir: str | Path = ".") -> list[Location]:
+    """Files named by `patterns` (paths, globs or store URIs; relative paths resolved against
+    `base_dir`), in order. A store that cannot be reached raises `StorageError` naming the URI."""
     base = Path(base_dir)
-    files: list[Path] = []
+    files: list[Location] = []
     for pattern in patterns:
+        if is_uri(pattern):
+            files.extend(_expand_uri(pattern))
+            continue
         full = Path(pattern) if Path(pattern).is_absolute() else base / pattern
         if glob.has_magic(str(full)):
             matches = sorted(Path(p) for p in glob.glob(str(full)) if Path(p).is_file())
@@ -64,13 +74,48 @@ def expand_paths(patterns: list[str], base_dir: str | Path = ".") -> list[Path]:
     return files
 
 
-def is_gzip(path: str | Path) -> bool:
-    with open(path, "rb") as handle:
+def _expand_uri(pattern: str) -> list[StoragePath]:
+    path = StoragePath(pattern)
+    if glob.has_magic(str(path.parent)):
+        raise ValueError(f"{pattern}: a glob in a store URI may only be in its last part")
+    if glob.has_magic(path.name):
+        matches = path.parent.glob_files(path.name)
+        if not matches:
+            raise FileNotFoundError(f"no file matches {pattern!r}")
+        return matches
+    if not path.is_file():
+        raise FileNotFoundError(f"data file {pattern!r} not found")
+    return [path]
+
+
+def parquet_file(path: str | Location, **options: object) -> pq.ParquetFile:
+    """A `pyarrow.parquet.ParquetFile` of a local path or a store URI."""
+    if isinstance(path, StoragePath) or is_uri(str(path)):
+        return pq.ParquetFile(StoragePath(str(path)).open_input_file(), **options)  # type: ignore[arg-type,unused-ignore]
+    return pq.ParquetFile(path, **options)  # type: ignore[arg-type,unused-ignore]
+
+
+def _local(path: str | Location) -> Path:
+    if isinstance(path, StoragePath) or is_uri(str(path)):
+        raise ValueError(
+            f"{path}: the text formats read local files only; convert the data to Parquet "
+            "(`psrec data convert`) to read it from a store"
+        )
+    return Path(path)
+
+
+def local_files(files: Sequence[Location]) -> list[Path]:
+    """``files`` as local paths; ValueError naming the first store URI among them."""
+    return [_local(path) for path in files]
+
+
+def is_gzip(path: str | Location) -> bool:
+    with open(_local(path), "rb") as handle:
         return handle.read(2) == GZIP_MAGIC
 
 
-def parquet_units(file_index: int, path: Path) -> list[Unit]:
-    metadata = pq.ParquetFile(path).metadata
+def parquet_units(file_index: int, path: Location) -> list[Unit]:
+    metadata = parquet_file(path).metadata
     units = []
     start = 0
     for group in range(metadata.num_row_groups):
@@ -80,10 +125,10 @@ def parquet_units(file_index: int, path: Path) -> list[Unit]:
     return units
 
 
-def text_units(file_index: int, path: Path, split_bytes: int) -> list[Unit]:
+def text_units(file_index: int, path: Location, split_bytes: int) -> list[Unit]:
     if is_gzip(path):
         return [Unit(file_index, str(path), 0, -1)]
-    size = path.stat().st_size
+    size = _local(path).stat().st_size
     return [
         Unit(file_index, str(path), start, min(start + split_bytes, size))
         for start in range(0, max(size, 1), split_bytes)

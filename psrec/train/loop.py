@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from psrec import checkpoint
+from psrec import checkpoint, storage
 from psrec.checkpoint.policy import RestartDecision, choose_restart
-from psrec.config import RunConfig
+from psrec.config import ConfigError, RunConfig
 from psrec.train.accounting import (
     EMPTY,
     id_ranges,
@@ -144,24 +146,31 @@ def train(
     `False` refuses a run directory that already holds checkpoints. psrec writes only into run
     directories it created (`psrec.train.run_dir`), and only once the data and runtime are set up.
     """
-    run_dir = Path(config.run_dir)
-    has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
+    run_dir = storage.location(config.run_dir)
+    try:
+        has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
+    except (storage.StorageError, checkpoint.CheckpointError) as error:
+        raise ConfigError(f"run_dir {str(run_dir)!r} cannot be read: {error}") from None
     plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints), resume=resume)
     sources = prepare_data(config, base_dir=Path(base_dir))
+    _check_stored_sources(sources)
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
         runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
     try:  # the run's set-up succeeded: only now is the run directory touched
         apply_run_dir_plan(plan)
-        (run_dir / "config.json").write_text(
-            json.dumps(config.model_dump(mode="json", by_alias=True), indent=2)
+        _write_text(
+            run_dir / "config.json", json.dumps(config.model_dump(mode="json", by_alias=True), indent=2)
         )
     except BaseException:
         if owns_runtime:
             runtime.shutdown()
         raise
-    writer = summary_writer(run_dir)
+    # TensorBoard writes local files: for a run_dir in a store they go to a local temporary
+    # directory, uploaded to RUN_DIR/tensorboard when the run ends.
+    local_events = None if isinstance(run_dir, Path) else Path(tempfile.mkdtemp(prefix="psrec-events-"))
+    writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
     try:
         driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
         summary = driver.run(resume=plan.resume)
@@ -170,9 +179,43 @@ def train(
             writer.close()
         if owns_runtime:
             runtime.shutdown()
+        if local_events is not None:
+            _upload_events(local_events, run_dir)
     summary["wall_seconds"] = time.perf_counter() - started
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
+
+
+def _check_stored_sources(sources: dict[str, dict[str, Any]]) -> None:
+    """List every data path that is a store URI once, so that an unreachable store or a missing
+    file is a ConfigError naming the URI before training starts."""
+    from psrec.data.units import expand_paths
+
+    for split, source in sources.items():
+        for pattern in source.get("paths") or []:
+            if storage.is_uri(pattern):
+                try:
+                    expand_paths([pattern])
+                except (OSError, ValueError) as error:
+                    raise ConfigError(f"data.{split}.paths: {pattern!r}: {error}") from None
+
+
+def _write_text(path: storage.Location, text: str) -> None:
+    try:
+        path.write_text(text)
+    except storage.StorageError as error:
+        raise ConfigError(f"cannot write {path}: {error}") from None
+
+
+def _upload_events(local: Path, run_dir: storage.Location) -> None:
+    """Copy the TensorBoard event files of a run whose run_dir is in a store to RUN_DIR/tensorboard."""
+    try:
+        if (local / "tensorboard").is_dir():
+            storage.copy_tree(local / "tensorboard", run_dir / "tensorboard")
+    except storage.StorageError as error:
+        logger.warning("TensorBoard event files stay in %s: %s", local, error)
+        return
+    shutil.rmtree(local, ignore_errors=True)
 
 
 class Driver:

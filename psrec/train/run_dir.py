@@ -10,6 +10,11 @@ directory). Before training starts:
 - a psrec run directory that holds a finished run (``summary.json``) is moved aside to
   ``RUN_DIR-<UTC time>`` when the run is not resumed; one with checkpoints is resumed.
 
+A run directory may be a store URI (``s3://bucket/runs/x``, `psrec.storage`): the marker is an object
+there and the rules are the same, except that a bucket's root is refused, and a finished run is not
+moved aside (object stores cannot rename a directory): resume it or choose another run_dir. A store
+that cannot be reached or read is a `ConfigError` naming the URI, before anything is written.
+
 `inspect_run_dir` reads the directory, `plan_run_dir` decides (a pure function, tested on hand-made
 states) and `apply_run_dir_plan` acts, after the rest of the run's set-up has succeeded.
 """
@@ -22,6 +27,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from psrec.config import ConfigError
+from psrec.storage import Location, StorageError, StoragePath, location
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +38,8 @@ MARKER = ".psrec-run"
 class RunDirState:
     """What is at the run directory's path (plain data)."""
 
-    path: Path
-    resolved: Path
+    path: Location
+    resolved: Location
     exists: bool
     is_dir: bool
     entries: tuple[str, ...]  # names in the directory, sorted
@@ -43,14 +49,23 @@ class RunDirState:
 
 @dataclass(frozen=True)
 class RunDirPlan:
-    path: Path
+    path: Location
     resume: bool
-    archive_to: Path | None  # move the finished run there first
+    archive_to: Location | None  # move the finished run there first
     create: bool  # make the directory and write the marker (a new or an adopted empty directory)
 
 
-def inspect_run_dir(path: str | Path, *, has_checkpoints: bool) -> RunDirState:
-    run_dir = Path(path)
+def inspect_run_dir(path: str | Path | StoragePath, *, has_checkpoints: bool) -> RunDirState:
+    run_dir = location(path)
+    if isinstance(run_dir, StoragePath):
+        try:
+            is_dir = run_dir.is_dir()
+            exists = is_dir or run_dir.exists()
+            entries = tuple(sorted(p.name for p in run_dir.iterdir())) if is_dir else ()
+        except StorageError as error:
+            raise ConfigError(f"run_dir {run_dir.uri!r} cannot be read: {error}") from None
+        protected = "the root of a bucket" if run_dir.is_bucket_root else None
+        return RunDirState(run_dir, run_dir, exists, is_dir, entries, has_checkpoints, protected)
     resolved = run_dir.expanduser().resolve()
     exists = run_dir.exists()
     is_dir = run_dir.is_dir()
@@ -91,6 +106,11 @@ def plan_run_dir(state: RunDirState, *, resume: bool | None, now: datetime | Non
     if not ours:  # new or empty: nothing to resume (resume=True then starts from scratch)
         return RunDirPlan(state.path, resume=bool(resume), archive_to=None, create=True)
     if resume is None and "summary.json" in state.entries:
+        if isinstance(state.path, StoragePath):
+            raise ConfigError(
+                f"{where} holds a finished run, and an object store cannot move it aside: resume it "
+                "(--resume) or choose another run_dir"
+            )
         stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
         archive = state.path.with_name(f"{state.path.name}-{stamp}")
         return RunDirPlan(state.path, resume=False, archive_to=archive, create=True)
@@ -105,10 +125,17 @@ def plan_run_dir(state: RunDirState, *, resume: bool | None, now: datetime | Non
 
 def apply_run_dir_plan(plan: RunDirPlan) -> None:
     """Move a finished run aside, create the directory and its marker, as `plan` says."""
+    if isinstance(plan.path, StoragePath):
+        if plan.create:
+            try:
+                (plan.path / MARKER).write_text("psrec run directory\n")
+            except StorageError as error:
+                raise ConfigError(f"run_dir {plan.path.uri!r} cannot be written: {error}") from None
+        return
     if plan.archive_to is not None:
         if plan.archive_to.exists():
             raise ConfigError(f"cannot move the finished run in {plan.path} aside: {plan.archive_to} exists")
-        plan.path.rename(plan.archive_to)
+        plan.path.rename(str(plan.archive_to))
         logger.info("%s held a finished run: moved it to %s", plan.path, plan.archive_to)
     if plan.create:
         plan.path.mkdir(parents=True, exist_ok=True)

@@ -374,11 +374,13 @@ class TrainerWorker:
 
     def _evaluate_ranking(self, split: str) -> np.ndarray:
         from psrec.data.sequences import evaluation_batches, load_interactions
-        from psrec.data.units import expand_paths
+        from psrec.data.units import expand_paths, local_files
         from psrec.train.metrics import sampled_ranks
 
         if self._interactions is None:
-            self._interactions = load_interactions(expand_paths(self.sources["train"].paths, self.base_dir))
+            self._interactions = load_interactions(
+                local_files(expand_paths(self.sources["train"].paths, self.base_dir))
+            )
         max_length = next(f.max_length for f in self.config.feature_schema().sequences if f.name == "seq")
         batches = evaluation_batches(
             self._interactions,
