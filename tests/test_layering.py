@@ -109,5 +109,5 @@ def test_the_walk_finds_an_upward_import(tmp_path: Path) -> None:
 @pytest.mark.parametrize("unit", sorted(LAYERS))
 def test_every_layer_is_a_real_unit_or_reserved(unit: str) -> None:
     """A layer names an existing subpackage/module, or one reserved for a coming capability."""
-    reserved = {"storage", "serve"}
+    reserved = {"serve"}
     assert unit in reserved or (PACKAGE / unit).is_dir() or (PACKAGE / f"{unit}.py").is_file()

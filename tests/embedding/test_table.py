@@ -398,7 +398,10 @@ def test_warmup_runs_every_kernel() -> None:
 
 @pytest.mark.parametrize(
     "admission",
-    [AdmissionSpec("min_count", min_count=2, sketch_width=256), AdmissionSpec("probability", probability=0.4)],
+    [
+        AdmissionSpec("min_count", min_count=2, sketch_width=256),
+        AdmissionSpec("probability", probability=0.4),
+    ],
     ids=["min_count", "probability"],
 )
 def test_a_full_plus_delta_restore_admits_like_the_original(admission: AdmissionSpec) -> None:
