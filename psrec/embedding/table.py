@@ -449,6 +449,16 @@ class EmbeddingTable:
                 )
             )
 
+    def _checked_sketch(self, record: TableState | TableDelta, what: str) -> np.ndarray | None:
+        """This table's admission sketch, after checking `record`'s has its shape."""
+        sketch = self._admission.sketch
+        theirs = record.admission_sketch
+        if sketch is not None and theirs is not None and theirs.shape != sketch.shape:
+            raise ValueError(
+                self._message(f"{what} admission sketch has shape {theirs.shape}, expected {sketch.shape}")
+            )
+        return sketch
+
     def _check_rows(self, record: TableState | TableDelta, what: str) -> None:
         count = record.ids.shape[0]
         self._check_ids(record.ids, f"{what} ids")
@@ -495,17 +505,7 @@ class EmbeddingTable:
         learning rate, which is taken from the state (it may have been decayed)."""
         self._check_compatible(state.config, "state")
         self._check_rows(state, "state")
-        sketch = self._admission.sketch
-        if (
-            sketch is not None
-            and state.admission_sketch is not None
-            and state.admission_sketch.shape != sketch.shape
-        ):
-            raise ValueError(
-                self._message(
-                    f"state admission sketch has shape {state.admission_sketch.shape}, expected {sketch.shape}"
-                )
-            )
+        sketch = self._checked_sketch(state, "state")
         lr = float(state.config.get("optimizer", {}).get("lr", self.optimizer.lr))
         self.set_learning_rate(lr)
         self._index = HashIndex(initial_rows=state.ids.shape[0])
@@ -575,17 +575,7 @@ class EmbeddingTable:
         self._check_compatible(delta.config, "delta")
         self._check_rows(delta, "delta")
         removed_ids = self._check_ids(delta.removed_ids, "delta removed_ids")
-        sketch = self._admission.sketch
-        if (
-            sketch is not None
-            and delta.admission_sketch is not None
-            and delta.admission_sketch.shape != sketch.shape
-        ):
-            raise ValueError(
-                self._message(
-                    f"delta admission sketch has shape {delta.admission_sketch.shape}, expected {sketch.shape}"
-                )
-            )
+        sketch = self._checked_sketch(delta, "delta")
         self._remove_present(removed_ids)
         if delta.last_step.shape[0]:
             self._clock = max(self._clock, int(delta.last_step.max()))
