@@ -98,6 +98,8 @@ class EmbeddingConfig(_Strict):
 class DenseOptimizerConfig(_Strict):
     name: Literal["adam", "adagrad", "sgd"] = "adam"
     lr: float = Field(1e-3, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1, description="adam only")
+    beta2: float = Field(0.999, ge=0, lt=1, description="adam only")
     weight_decay: float = Field(0.0, ge=0)
 
 

@@ -6,8 +6,15 @@ Math (B = batch, L = sequence length <= ``max_length``, D = embedding dim):
     h = LN(TransformerStack_causal(x))                          # "pre" blocks, zeroed at padding
     r_t = <h_t, E[i]>                                           # relevance of item i after step t
 
-Item embeddings are tied between input and output: the trainer pulls E[seq], E[pos], E[neg] and the
-candidates from the same table, and the model scores with plain dot products (no output projection).
+Layer norms use eps 1e-8, and the weights start as in the reference PyTorch code
+(pmixer/SASRec.pytorch): Xavier-normal positions and weights (the query/key/value projections drawn
+as one (3D, D) in-projection, as ``nn.MultiheadAttention``), zero attention biases, PyTorch's
+default feed-forward biases. The item table lives on the parameter server, so its initializer and
+optimizer come from the embedding config; on short histories they decide the result. The reference
+starts it Xavier-normal (``std = sqrt(2 / (num_items + 1 + D))``, 0.0128 on Amazon Beauty) and steps
+it with dense Adam (``optimizer.lazy: false``: rows not in the batch keep moving with their
+moments); see examples/beauty_sasrec.yaml and docs/results.md. Padded keys are masked (the
+reference attends them; on Beauty that changes nothing measurable).
 
 Inputs (``ModelInput.sequences``, all pulled from the same item table):
 
@@ -32,9 +39,10 @@ import torch.nn.functional as functional
 from torch import nn
 
 from psrec.models.base import ModelInput, ModelStages
-from psrec.models.transformer import TransformerStack
+from psrec.models.transformer import TransformerBlock, TransformerStack
 
 TARGET_SEQUENCES = ("pos", "neg", "candidates")
+NORM_EPS = 1e-8
 
 
 class SASRecEmbedding(nn.Module):
@@ -44,7 +52,7 @@ class SASRecEmbedding(nn.Module):
         super().__init__()
         self.max_length = max_length
         self.scale = math.sqrt(embedding_dim)
-        self.positions = nn.Parameter(torch.randn(max_length, embedding_dim) * 0.02)
+        self.positions = nn.Parameter(nn.init.xavier_normal_(torch.empty(max_length, embedding_dim)))
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, inp: ModelInput) -> dict[str, torch.Tensor]:
@@ -67,7 +75,7 @@ class SASRecHead(nn.Module):
 
     def __init__(self, embedding_dim: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(embedding_dim)
+        self.norm = nn.LayerNorm(embedding_dim, eps=NORM_EPS)
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = self.norm(state["hidden"])  # (B, L, D)
@@ -108,9 +116,29 @@ class SASRec(nn.Module):
             dropout=dropout,
             activation="relu",
             norm_position="pre",
+            norm_eps=NORM_EPS,
             causal=True,
         )
         self.head = SASRecHead(embedding_dim)
+        self._initialise_blocks()
+
+    def _initialise_blocks(self) -> None:
+        """The reference code's init (see the module docstring); positions are drawn in SASRecEmbedding."""
+        with torch.no_grad():
+            for block in self.blocks.blocks:
+                assert isinstance(block, TransformerBlock)
+                attention = block.attention
+                projections = (attention.query, attention.key, attention.value)
+                dim = attention.query.in_features
+                joint = nn.init.xavier_normal_(torch.empty(3 * dim, dim))  # (3D, D) in-projection
+                for projection, weight in zip(projections, joint.chunk(3), strict=True):
+                    projection.weight.copy_(weight)
+                    nn.init.zeros_(projection.bias)
+                nn.init.xavier_normal_(attention.output.weight)
+                nn.init.zeros_(attention.output.bias)
+                for layer in block.ffn.layers:
+                    if isinstance(layer, nn.Linear):
+                        nn.init.xavier_normal_(layer.weight)
 
     def stages(self) -> ModelStages:
         return ModelStages(self.embedding, self.blocks, self.head)

@@ -84,14 +84,15 @@ class TransformerBlock(nn.Module):
         dropout: float,
         activation: str = "relu",
         norm_position: NormPosition = "post",
+        norm_eps: float = 1e-5,
     ) -> None:
         super().__init__()
         self.norm_position = norm_position
         self.attention = MultiHeadAttention(dim, num_heads, dropout=dropout)
         self.attention_dropout = nn.Dropout(dropout)
-        self.attention_norm = nn.LayerNorm(dim)
+        self.attention_norm = nn.LayerNorm(dim, eps=norm_eps)
         self.ffn = FeedForward(dim, ffn_dim, activation=activation, dropout=dropout)
-        self.ffn_norm = nn.LayerNorm(dim)
+        self.ffn_norm = nn.LayerNorm(dim, eps=norm_eps)
 
     def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """x (B, L, D), allowed (B, L, L) bool -> (B, L, D)."""
@@ -126,6 +127,7 @@ class TransformerStack(nn.Module):
         dropout: float,
         activation: str = "relu",
         norm_position: NormPosition = "post",
+        norm_eps: float = 1e-5,
         causal: bool = False,
     ) -> None:
         super().__init__()
@@ -138,6 +140,7 @@ class TransformerStack(nn.Module):
                 dropout=dropout,
                 activation=activation,
                 norm_position=norm_position,
+                norm_eps=norm_eps,
             )
             for _ in range(num_blocks)
         )

@@ -165,7 +165,9 @@ def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> torch.op
     spec = config.training.dense_optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        return torch.optim.Adam(
+            params, lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay
+        )
     if spec.name == "adagrad":
         return torch.optim.Adagrad(params, lr=spec.lr, weight_decay=spec.weight_decay)
     return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
