@@ -39,7 +39,7 @@ import torch.nn.functional as functional
 from torch import nn
 
 from psrec.models.base import ModelInput, ModelStages
-from psrec.models.transformer import TransformerBlock, TransformerStack
+from psrec.models.transformer import Dropout, TransformerBlock, TransformerStack
 
 TARGET_SEQUENCES = ("pos", "neg", "candidates")
 NORM_EPS = 1e-8
@@ -53,7 +53,7 @@ class SASRecEmbedding(nn.Module):
         self.max_length = max_length
         self.scale = math.sqrt(embedding_dim)
         self.positions = nn.Parameter(nn.init.xavier_normal_(torch.empty(max_length, embedding_dim)))
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, inp: ModelInput) -> dict[str, torch.Tensor]:
         if "seq" not in inp.sequences or "seq" not in inp.masks:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from psrec.models.base import ModelInput
-from psrec.models.transformer import TransformerBlock, TransformerStack, attention_allowed
+from psrec.models.transformer import TransformerBlock, TransformerStack, attention_bias
 from psrec.parallel.allreduce import allreduce_mean
 
 logger = logging.getLogger(__name__)
@@ -117,9 +117,9 @@ class BlockOnState(nn.Module):
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden, mask = state["hidden"], state["mask"]  # (B, L, D), (B, L)
-        allowed = attention_allowed(mask, causal=self.causal)  # (B, L, L)
+        bias = attention_bias(mask, causal=self.causal)  # (B, 1, L, L)
         keep = mask.unsqueeze(-1).to(hidden.dtype)
-        return {**state, "hidden": self.block(hidden, allowed) * keep}
+        return {**state, "hidden": self.block(hidden, bias) * keep}
 
 
 def model_parts(model: nn.Module) -> list[nn.Module]:
