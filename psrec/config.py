@@ -156,6 +156,24 @@ class PipelineConfig(_Strict):
     schedule: Literal["gpipe", "1f1b"] = "1f1b"
 
 
+class PlacementConfig(_Strict):
+    """Where the actors run on a cluster of several nodes (`psrec.train.placement`, docs/cluster.md)."""
+
+    shards: Literal["spread", "any"] = Field(
+        "spread", description="spread: one shard per node in turn (Ray SPREAD); any: Ray's default scheduler"
+    )
+    trainers: Literal["pack", "spread", "any"] = Field(
+        "pack", description="pack: as few nodes as possible (a PACK placement group); spread; any"
+    )
+    shard_node_resource: str | None = Field(
+        None,
+        min_length=1,
+        description="a custom Ray resource (ray start --resources) each shard asks one unit of: pins "
+        "shards to the nodes offering it",
+    )
+    trainer_node_resource: str | None = Field(None, min_length=1, description="the same for trainers")
+
+
 class PSConfig(_Strict):
     runtime: Literal["ray", "local"] = "ray"
     strategy: Literal["ps", "collective"] = Field(
@@ -180,6 +198,7 @@ class PSConfig(_Strict):
     staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
     trainer_resources: ResourcesConfig = ResourcesConfig()
     shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)
+    placement: PlacementConfig = PlacementConfig()
     pipeline: PipelineConfig | None = Field(
         None, description="split the dense model into pipeline stages over the trainers (SASRec, BST)"
     )

@@ -67,6 +67,9 @@ class ShardActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def location(self) -> dict[str, Any]:
+        return actor_location()
+
     def pull(self, requests: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
         rows = self.shard.pull(requests, train=train)
         return {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
@@ -110,3 +113,14 @@ class RayConnection:
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return _RayPending(self.actor.push.remote(trainer, request_id, step, gradients))
+
+
+def actor_location() -> dict[str, Any]:
+    """The Ray node the calling actor runs on and its process id (for the placement report)."""
+    import ray
+
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "pid": os.getpid(),
+    }

@@ -554,6 +554,7 @@ class Driver:
             "recoveries": self.recoveries,
             "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
+            "placement": self.runtime.placement,
         }
         for split in ("validation", "test"):
             if split in self.sources:

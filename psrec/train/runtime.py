@@ -29,7 +29,7 @@ from psrec.config import ConfigError, RunConfig
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
-from psrec.train import builders
+from psrec.train import builders, placement
 from psrec.train.cluster import required_cpus, start_ray
 from psrec.train.worker import ChunkResult, TrainerWorker
 
@@ -75,12 +75,16 @@ class Runtime(Protocol):
 
     def shutdown(self) -> None: ...
 
+    placement: dict[str, Any]
+
 
 class RuntimeBase:
     """The driver-side calls of both runtimes, over the primitives each one implements."""
 
     config: RunConfig
     _lr_factor: float = 1.0
+    # where each actor runs (`psrec.train.placement.placement_report`); empty in process
+    placement: dict[str, Any] = {}  # replaced per runtime, never mutated
 
     # -- primitives ------------------------------------------------------------------------------
     def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
@@ -294,6 +298,13 @@ class RayRuntime(RuntimeBase):
         self._shard_tables = builders.shard_table_specs(config, partitions=config.ps.num_shards)
         self._shard_class = ray.remote(ShardActor)
         self._trainer_class = ray.remote(TrainerWorker)
+        self._trainer_group = placement.TrainerGroup(
+            config.ps.trainer_resources,
+            strategy=config.ps.placement.trainers,
+            node_resource=config.ps.placement.trainer_node_resource,
+            timeout=placement.PLACEMENT_GROUP_TIMEOUT_S,
+        )
+        self.placement: dict[str, Any] = {}
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
         try:
@@ -306,7 +317,12 @@ class RayRuntime(RuntimeBase):
 
     def _start_shard(self, index: int) -> Any:
         ps = self.config.ps
-        return self._shard_class.options(**_resources(ps.shard_resources)).remote(
+        options = placement.actor_options(
+            ps.shard_resources,
+            strategy=ps.placement.shards,
+            node_resource=ps.placement.shard_node_resource,
+        )
+        return self._shard_class.options(**options).remote(
             index,
             self._shard_tables,
             num_trainers=builders.pushing_trainers(self.config),
@@ -319,13 +335,15 @@ class RayRuntime(RuntimeBase):
         import ray
 
         ps = self.config.ps
+        options = self._trainer_group.start(ps.num_trainers)
         self.trainers = [
-            self._trainer_class.options(**_resources(ps.trainer_resources)).remote(
+            self._trainer_class.options(**options[i]).remote(
                 self.config, i, self.shards, base_dir=self._base_dir, data_sources=self._data_sources
             )
             for i in range(ps.num_trainers)
         ]
         _get([s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300)
+        self._report_placement()
         if ps.num_trainers > 1:
             address, port = ray.get(self.trainers[0].listen_for_group.remote())
             _get([t.init_process_group.remote(address, port) for t in self.trainers])
@@ -358,6 +376,20 @@ class RayRuntime(RuntimeBase):
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
         _get(self._partition_calls("restore", chain, step))
+
+    def _report_placement(self) -> None:
+        """Where each actor landed: logged, kept for summary.json (`placement_report`)."""
+        import ray
+
+        locations = _get([a.location.remote() for a in [*self.shards, *self.trainers]], timeout=60)
+        alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+        self.placement = placement.placement_report(
+            self.config.ps.placement,
+            shards=locations[: len(self.shards)],
+            trainers=locations[len(self.shards) :],
+            nodes=alive,
+        )
+        logger.info("%s", placement.describe(self.placement))
 
     # -- failures --------------------------------------------------------------------------------
     def dead_actors(self) -> list[str]:
@@ -396,6 +428,7 @@ class RayRuntime(RuntimeBase):
         for actor in [*self.trainers, *self.shards]:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        self._trainer_group.remove()
         if self._owns_ray:
             ray.shutdown()
 
@@ -421,13 +454,6 @@ def _answers(actor: Any, timeout: float = 10.0) -> bool:
     except Exception:  # noqa: BLE001 - any failure means the actor must be replaced
         return False
     return True
-
-
-def _resources(resources: Any) -> dict[str, Any]:
-    options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
-    if resources.memory_gb is not None:
-        options["memory"] = int(resources.memory_gb * 2**30)
-    return options
 
 
 def make_runtime(config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> Runtime:

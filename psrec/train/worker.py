@@ -24,7 +24,7 @@ from psrec.data.background import InputGate
 from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
 from psrec.parallel import rendezvous
-from psrec.ps.actors import RayConnection
+from psrec.ps.actors import RayConnection, actor_location
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
@@ -343,11 +343,12 @@ class TrainerWorker:
         """This trainer's share of `split`, evaluated without changing or growing any table.
 
         CTR models: {"scores", "labels"}. Ranking models (SASRec): {"ranks"} of each held-out item
-        among its 100 sampled negatives (leave-one-out on the training interactions file).
+        among its 100 sampled negatives (leave-one-out on the training interactions file), and with
+        ``training.full_ranking`` {"full_ranks"} among all items, the user's input items excluded.
         """
         self.runner.flush()
         if self.config.model.name == "sasrec":
-            return {"ranks": self._evaluate_ranking(split)}
+            return self._evaluate_ranking(split)
         reader = open_reader(
             self.sources[split],
             self.config.feature_schema(),
@@ -372,27 +373,33 @@ class TrainerWorker:
             return {"scores": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
         return {"scores": np.concatenate(scores), "labels": np.concatenate(labels)}
 
-    def _evaluate_ranking(self, split: str) -> np.ndarray:
-        from psrec.data.sequences import evaluation_batches, load_interactions
+    def _evaluate_ranking(self, split: str) -> dict[str, np.ndarray]:
+        from psrec.data.sequences import evaluation_batches, full_ranking_batches, load_interactions
         from psrec.data.units import expand_paths, local_files
-        from psrec.train.metrics import sampled_ranks
+        from psrec.train.metrics import full_ranks, sampled_ranks
 
         if self._interactions is None:
             self._interactions = load_interactions(
                 local_files(expand_paths(self.sources["train"].paths, self.base_dir))
             )
         max_length = next(f.max_length for f in self.config.feature_schema().sequences if f.name == "seq")
-        batches = evaluation_batches(
-            self._interactions,
+        users = dict(
             split="valid" if split == "validation" else "test",
             max_length=max_length,
             batch_size=self.config.training.eval_batch_size,
-            seed=self.config.training.seed,
             shard=self.trainer_index,
             num_shards=self.world_size,
         )
+        batches = evaluation_batches(self._interactions, seed=self.config.training.seed, **users)  # type: ignore[arg-type]
         ranks = [sampled_ranks(self.runner.predict(batch)) for batch in batches]
-        return np.concatenate(ranks) if ranks else np.zeros(0, np.int64)
+        out = {"ranks": np.concatenate(ranks) if ranks else np.zeros(0, np.int64)}
+        if self.config.training.full_ranking:
+            full = [
+                full_ranks(self.runner.predict(users_batch.batch), users_batch.targets, seen=users_batch.seen)
+                for users_batch in full_ranking_batches(self._interactions, **users)  # type: ignore[arg-type]
+            ]
+            out["full_ranks"] = np.concatenate(full) if full else np.zeros(0, np.int64)
+        return out
 
     def set_dense_learning_rate(self, factor: float) -> None:
         for group in self.optimizer.param_groups:
@@ -435,6 +442,9 @@ class TrainerWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def location(self) -> dict[str, Any]:
+        return actor_location()
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
