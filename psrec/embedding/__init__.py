@@ -4,7 +4,9 @@ admission and eviction, state and delta export. No Ray and no processes in here.
 Modules, by concept: ``specs`` (configuration records), ``hashing`` (mixing functions),
 ``hash_index`` (id -> row), ``initializers`` (deterministic initial rows), ``optimizers`` (fused
 sparse updates), ``precision`` (fp32/fp16/int8 row storage), ``admission``, ``eviction``, ``state``
-(exported arrays), ``table`` (``EmbeddingTable``), ``arrays`` (in-place growth), ``prefetch`` (the
+(exported arrays), ``table`` (``EmbeddingTable``), ``tiered_table`` (``TieredTable``: hot rows in
+memory, cold rows on disk), ``disk_tier`` (the slab file of cold rows), ``tier_policy`` (which rows
+go to disk), ``arrays`` (in-place growth), ``prefetch`` (the
 software-prefetch intrinsic), ``reference`` (plain NumPy oracles for tests), ``warmup`` (compile
 the numba kernels once per process).
 
@@ -22,10 +24,12 @@ from psrec.embedding.specs import (
     EvictionSpec,
     InitializerSpec,
     SparseOptimizerSpec,
+    StorageSpec,
     TableSpec,
 )
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, planned_bytes_per_row
+from psrec.embedding.tiered_table import TieredTable, build_table
 from psrec.embedding.warmup import warmup
 
 __all__ = [
@@ -35,9 +39,12 @@ __all__ = [
     "HashIndex",
     "InitializerSpec",
     "SparseOptimizerSpec",
+    "StorageSpec",
     "TableDelta",
     "TableSpec",
     "TableState",
+    "TieredTable",
+    "build_table",
     "planned_bytes_per_row",
     "warmup",
 ]

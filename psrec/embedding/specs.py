@@ -209,11 +209,32 @@ class EvictionSpec:
 
 
 @dataclass(frozen=True)
+class StorageSpec:
+    """A disk tier for a table (``psrec.embedding.tiered_table``): at most ``memory_rows`` rows in
+    memory, the others in a file under ``disk_dir``."""
+
+    memory_rows: int
+    disk_dir: str
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.memory_rows, int)
+            and not isinstance(self.memory_rows, bool)
+            and self.memory_rows >= 1,
+            f"storage memory_rows must be an int >= 1, got {self.memory_rows!r}",
+        )
+        _require(
+            isinstance(self.disk_dir, str) and bool(self.disk_dir),
+            f"storage disk_dir must be a non-empty path, got {self.disk_dir!r}",
+        )
+
+
+@dataclass(frozen=True)
 class TableSpec:
     """Everything that builds one `EmbeddingTable`: plain data, so it travels to a shard process.
 
     ``initial_rows`` reserves that many rows up front (and ``populate`` backs them with memory);
-    ``seed`` fixes the initial value of every row by id.
+    ``seed`` fixes the initial value of every row by id; ``storage`` adds a disk tier.
     """
 
     name: str
@@ -227,3 +248,4 @@ class TableSpec:
     seed: int = 0
     initial_rows: int = 0
     populate: bool = True
+    storage: StorageSpec | None = None
