@@ -244,6 +244,26 @@ class ParameterShard:
         self._markers = {name: table.delta_marker() for name, table in self.tables.items()}
         self.needs_full_checkpoint = True
 
+    def snapshot_tags(self) -> list[str]:
+        return sorted(self._snapshots)
+
+    def snapshot_arrays(self, tag: str) -> dict[str, np.ndarray]:
+        """A snapshot as flat {"table/field": array} (to keep it in a file)."""
+        return {
+            f"{name}/{key}": value
+            for name, state in self._snapshots[tag].items()
+            for key, value in state.to_arrays().items()
+        }
+
+    def load_snapshot_arrays(self, tag: str, arrays: dict[str, np.ndarray]) -> None:
+        """Put back a snapshot written by `snapshot_arrays` (the tables themselves are unchanged)."""
+        per_table: dict[str, dict[str, np.ndarray]] = {}
+        for key, value in arrays.items():
+            name, _, field_name = key.partition("/")
+            self._table(name)
+            per_table.setdefault(name, {})[field_name] = value
+        self._snapshots[tag] = {name: TableState.from_arrays(fields) for name, fields in per_table.items()}
+
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every table's (ids, float32 rows), for inspection and tests (checkpoints use export_state)."""
         out = {}

@@ -1,0 +1,241 @@
+"""A shard that logs every operation that changes it, and rebuilds itself from checkpoint + log.
+
+`LoggedShard` wraps a `ParameterShard` with its `PushLog` (`psrec.ps.push_log`). Each training
+pull, push and table-changing maintenance call is appended to the log *before* it runs; at every
+committed checkpoint the log starts a new segment on that checkpoint. When the shard's process dies,
+its replacement (`LoggedShard.open` on the same directory) restores only this shard's file of the
+segment's checkpoint chain, then re-runs the segment's operations in their logged order: the
+tables, optimizer state, admission counters, clocks, request ids and snapshots are then exactly what
+they were when the last operation was logged. Nothing else is restored or recomputed.
+
+Retries are idempotent: a push whose request id is not newer than the trainer's last is dropped by
+the shard (and not logged), and a training pull carries a per-caller sequence number, so a pull
+sent again after a failure (its first copy ran, its reply was lost) is answered from the rows
+without inserting or counting anything a second time.
+
+    shard = LoggedShard.open(ParameterShard(0, tables), Path("log/shard-0"))   # fresh or recovered
+    shard.pull({"t": ids}, train=True, caller="trainer-0", request=1)
+    shard.push(0, 0, 0, {"t": (ids, grads)})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from psrec.checkpoint import CheckpointRef
+from psrec.checkpoint.files import read_arrays, write_arrays
+from psrec.ps.push_log import LogRecord, PushLog, PushLogError, Segment, latest_segment, segment_paths
+from psrec.ps.shard import ParameterShard, TableGradients
+from psrec.ps.shard_checkpoint import restore_shard
+from psrec.ps.wire import ScaledFp16, decode_gradients
+from psrec.storage import location
+
+logger = logging.getLogger(__name__)
+
+# ParameterShard maintenance calls that change the tables (logged); the others only read.
+LOGGED_CALLS = frozenset(
+    {"set_learning_rate", "evict", "save_snapshot", "restore_snapshot", "confirm_checkpoint"}
+)
+
+
+def ref_to_json(ref: CheckpointRef) -> dict[str, Any]:
+    return {
+        "path": str(ref.path),
+        "step": ref.step,
+        "kind": ref.kind,
+        "checkpoint_id": ref.checkpoint_id,
+        "parent_id": ref.parent_id,
+        "base_id": ref.base_id,
+        "created": ref.created,
+    }
+
+
+def ref_from_json(value: dict[str, Any]) -> CheckpointRef:
+    return CheckpointRef(
+        path=location(value["path"]),
+        step=int(value["step"]),
+        kind=value["kind"],
+        checkpoint_id=value["checkpoint_id"],
+        parent_id=value["parent_id"],
+        base_id=value["base_id"],
+        created=float(value["created"]),
+    )
+
+
+class LoggedShard:
+    """A `ParameterShard` behind its write-ahead log (see the module docstring)."""
+
+    def __init__(self, shard: ParameterShard, log: PushLog) -> None:
+        self.shard = shard
+        self.log = log
+        self.last_pull: dict[str, int] = {}  # caller -> sequence number of its last training pull
+        self.restores = 0  # restores the driver asked for (a rollback or a resume)
+        self.recovery: dict[str, Any] | None = None  # how this process rebuilt the shard, if it did
+
+    # -- opening: fresh or recovered --------------------------------------------------------------
+    @classmethod
+    def open(cls, shard: ParameterShard, directory: Path, *, fsync: bool = False) -> LoggedShard:
+        """A fresh shard on an empty directory; otherwise the shard rebuilt from the newest segment."""
+        logged = cls(shard, PushLog(directory, fsync=fsync))
+        if not segment_paths(directory):
+            logged.log.start_segment({"kind": "fresh"})
+            return logged
+        started = time.time()
+        segment, skipped = latest_segment(directory)
+        if segment is None:
+            raise PushLogError(f"{directory}: no readable segment to recover from: {'; '.join(skipped)}")
+        for reason in skipped:
+            logger.warning("shard %d: passed over %s", shard.shard_index, reason)
+        logged._recover(segment)
+        logged.log.continue_segment(segment)
+        logged.recovery = {
+            "pid": os.getpid(),
+            "started": started,
+            "ready": time.time(),
+            "segment": segment.path.name,
+            "base": segment.base.meta.get("kind"),
+            "base_step": segment.base.meta.get("step"),
+            "operations_replayed": len(segment.records),
+            "pushes_replayed": sum(1 for r in segment.records if r.op == "push"),
+            "log_bytes": segment.valid_bytes,
+            "torn_record_dropped": segment.torn is not None,
+        }
+        logger.warning("shard %d rebuilt from its log: %s", shard.shard_index, logged.recovery)
+        return logged
+
+    def _recover(self, segment: Segment) -> None:
+        base = segment.base.meta
+        if base["kind"] == "checkpoint":
+            chain = [ref_from_json(ref) for ref in base["chain"]]
+            restore_shard(self.shard, chain, int(base["step"]))
+            for name, lr in base["learning_rates"].items():
+                self.shard.set_learning_rate(float(lr), [name])
+            self.last_pull = {caller: int(n) for caller, n in base["last_pull"].items()}
+            for tag in base["snapshots"]:
+                self.shard.load_snapshot_arrays(tag, read_arrays(self._snapshot_path(tag)))
+            if base.get("needs_full_checkpoint"):
+                self.shard.needs_full_checkpoint = True
+        elif base["kind"] != "fresh":
+            raise PushLogError(f"{segment.path}: unknown base {base['kind']!r}")
+        for record in segment.records:
+            self._apply(record)
+
+    def _apply(self, record: LogRecord) -> Any:
+        """Run one logged operation on the shard (replay, and live after logging it)."""
+        meta = record.meta
+        if record.op == "pull":
+            requests = {name: record.arrays[f"{i}/ids"] for i, name in enumerate(meta["tables"])}
+            if meta["caller"] is not None:
+                self.last_pull[meta["caller"]] = int(meta["request"])
+            return self.shard.pull(requests, train=True)
+        if record.op == "push":
+            return self.shard.push(
+                int(meta["trainer"]), int(meta["request"]), int(meta["step"]), _gradients(record)
+            )
+        if record.op == "call":
+            return getattr(self.shard, meta["method"])(*meta["args"])
+        raise PushLogError(f"{self.log.directory}: unknown operation {record.op!r}")
+
+    # -- live operations ------------------------------------------------------------------------
+    def pull(
+        self,
+        requests: dict[str, np.ndarray],
+        *,
+        train: bool,
+        caller: str | None = None,
+        request: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        if not train:
+            return self.shard.pull(requests, train=False)
+        if caller is not None and request is not None and request <= self.last_pull.get(caller, 0):
+            # Sent again after a failure: its first copy ran (and is logged); answer without a change.
+            return self.shard.pull(requests, train=False)
+        names = list(requests)
+        arrays = {f"{i}/ids": requests[name] for i, name in enumerate(names)}
+        record = LogRecord("pull", {"caller": caller, "request": request, "tables": names}, arrays)
+        return self._logged(record)
+
+    def push(self, trainer: int, request_id: int, step: int, gradients: dict[str, Any]) -> bool:
+        """`gradients`: table -> (ids, gradients as on the wire: float32 rows or `ScaledFp16`)."""
+        if request_id <= self.shard.last_request.get(trainer, -1):
+            return self.shard.push(trainer, request_id, step, {})  # a retry: dropped and counted
+        names, arrays = [], {}
+        for i, (name, (ids, grads)) in enumerate(gradients.items()):
+            names.append(name)
+            arrays[f"{i}/ids"] = ids
+            if isinstance(grads, ScaledFp16):
+                arrays[f"{i}/values"], arrays[f"{i}/scales"] = grads.values, grads.scales
+            else:
+                arrays[f"{i}/grads"] = grads
+        meta = {"trainer": trainer, "request": request_id, "step": step, "tables": names}
+        return bool(self._logged(LogRecord("push", meta, arrays)))
+
+    def call(self, method: str, *args: Any) -> Any:
+        if method not in LOGGED_CALLS:
+            return getattr(self.shard, method)(*args)
+        return self._logged(LogRecord("call", {"method": method, "args": list(args)}))
+
+    def _logged(self, record: LogRecord) -> Any:
+        size = self.log.append(record.op, record.meta, record.arrays)
+        try:
+            return self._apply(record)
+        except BaseException:
+            self.log.retract(size)  # it raised before changing anything it validates (or the run fails)
+            raise
+
+    # -- checkpoints: a new segment ---------------------------------------------------------------
+    def checkpointed(self, chain: list[CheckpointRef]) -> None:
+        """`chain` is committed and holds this shard's current state: start a new segment on it.
+
+        In-memory snapshots are written next to the log first (a replay from this base cannot
+        recreate them)."""
+        tags = self.shard.snapshot_tags()
+        for tag in tags:
+            write_arrays(self._snapshot_path(tag), self.shard.snapshot_arrays(tag))
+        base = {
+            "kind": "checkpoint",
+            "chain": [ref_to_json(ref) for ref in chain],
+            "step": chain[-1].step,
+            "learning_rates": {name: table.optimizer.lr for name, table in self.shard.tables.items()},
+            "last_pull": dict(self.last_pull),
+            "snapshots": tags,
+            "needs_full_checkpoint": self.shard.needs_full_checkpoint,
+        }
+        self.log.start_segment(base)
+
+    def restore(self, chain: list[CheckpointRef], step: int) -> None:
+        """The driver's restore (a rollback or a resume): load the chain, then log on top of it."""
+        restore_shard(self.shard, chain, step)
+        self.restores += 1
+        self.checkpointed(chain)
+
+    def _snapshot_path(self, tag: str) -> Path:
+        return self.log.directory / f"snapshot-{tag}.npz"
+
+    def report(self) -> dict[str, Any]:
+        """What the log did in this process: records and bytes written, restores, its recovery."""
+        return {
+            "pid": os.getpid(),
+            "records_written": self.log.records_written,
+            "bytes_written": self.log.bytes_written,
+            "segment": self.log.segment_number,
+            "restores": self.restores,
+            "recovery": self.recovery,
+        }
+
+
+def _gradients(record: LogRecord) -> TableGradients:
+    out: TableGradients = {}
+    for i, name in enumerate(record.meta["tables"]):
+        if f"{i}/grads" in record.arrays:
+            grads = record.arrays[f"{i}/grads"]
+        else:
+            grads = decode_gradients(ScaledFp16(record.arrays[f"{i}/values"], record.arrays[f"{i}/scales"]))
+        out[name] = (record.arrays[f"{i}/ids"], grads)
+    return out
