@@ -1,4 +1,4 @@
-"""The `psrec` command line: `psrec train|data|bench ...`.
+"""The `psrec` command line: `psrec train|data|plan|bench|export|serve ...`.
 
 This is the only place that parses arguments, sets up logging and prints for the user; each
 subcommand lives in the `cli` module of the package it drives and registers itself here.
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     from psrec.bench import cli as bench_commands
     from psrec.data import cli as data_commands
     from psrec.parallel import cli as parallel_commands
+    from psrec.serve import cli as serve_commands
     from psrec.train import cli as train_commands
 
     parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_commands.register(subparsers)
     parallel_commands.register(subparsers)
     bench_commands.register(subparsers)
+    serve_commands.register(subparsers)
     return parser
 
 

@@ -1,0 +1,157 @@
+"""`psrec serve`: an export behind a JSON HTTP endpoint on Ray Serve, with request batching and replicas.
+
+    psrec serve models/frappe --port 8000 --replicas 2          # embedded loopback cluster
+    psrec serve models/frappe --follow runs/frappe_deepfm       # swap in each new checkpoint
+    curl -s 127.0.0.1:8000/ -d '{"rows": [{"user": 12, "item": 7, ...}]}'
+
+Endpoints: ``POST /`` scores rows (`psrec.serve.requests` describes the body; the response is
+``{"version": ..., "scores": [...]}`` or, for SASRec, ``{"version", "items", "scores"}`` top-k per
+row); ``GET /version`` names the served version and the features a row carries.
+
+Every replica (`ModelServer`) loads the export itself and batches concurrent requests
+(``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or ``batch_wait_seconds`` of
+waiting, whichever comes first) into one lookup and one forward pass. Requests are validated before
+they join a batch, so a bad one gets its own 4xx and never fails its neighbours. With ``follow``
+each replica runs a `psrec.serve.follow.DeltaFollower`.
+
+HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
+(`psrec.train.cluster.start_ray`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from psrec.serve.requests import DEFAULT_MAX_ROWS, ParsedRequest, RequestError, decode_body, parse_request
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8000
+APPLICATION = "psrec"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `serve_model` runs an export (plain values; the CLI maps its flags to these)."""
+
+    port: int = DEFAULT_PORT
+    host: str = "127.0.0.1"
+    replicas: int = 1
+    replica_cpus: float = 1.0
+    threads: int = 1  # torch threads per replica
+    max_batch_rows: int = 4096
+    batch_wait_seconds: float = 0.005
+    max_request_rows: int = DEFAULT_MAX_ROWS
+    follow: str | None = None
+    poll_seconds: float = 0.5
+
+
+def _rows_of(requests: list[ParsedRequest]) -> int:
+    return sum(request.batch.batch_size for request in requests)
+
+
+class ModelServer:
+    """One replica: the export, its request batching and (optionally) its follower."""
+
+    def __init__(self, model_dir: str, options: ServeOptions) -> None:
+        import torch
+
+        from psrec.serve.follow import DeltaFollower
+        from psrec.serve.scoring import ServingModel
+
+        torch.set_num_threads(options.threads)
+        self.model = ServingModel.load(model_dir, max_rows=options.max_request_rows)
+        self.follower = None
+        if options.follow is not None:
+            self.follower = DeltaFollower(self.model, options.follow, poll_seconds=options.poll_seconds)
+            self.follower.start()
+        self._score.set_max_batch_size(options.max_batch_rows)  # type: ignore[attr-defined]
+        self._score.set_batch_wait_timeout_s(options.batch_wait_seconds)  # type: ignore[attr-defined]
+
+    @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_rows_of)
+    async def _score(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
+        return self.model.score_requests(requests)
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path in ("/version", ""):
+            return JSONResponse(self.describe())
+        if request.method != "POST" or path not in ("", "/score"):
+            return JSONResponse(
+                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
+                status_code=404 if request.method in ("GET", "POST") else 405,
+            )
+        try:
+            parsed = parse_request(decode_body(await request.body()), self.model.request_spec)
+        except RequestError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(await self._score(parsed))
+
+    def describe(self) -> dict[str, Any]:
+        version = self.model.version
+        return {
+            "version": version.label,
+            "checkpoint": version.info,
+            "kind": self.model.kind,
+            "precision": self.model.precision,
+            "features": self.model.request_spec.feature_names,
+            "table_bytes": self.model.table_bytes(),
+        }
+
+    def __del__(self) -> None:
+        if getattr(self, "follower", None) is not None:
+            self.follower.stop()  # type: ignore[union-attr]
+
+
+def deployment(options: ServeOptions) -> Any:
+    """The Ray Serve deployment of `ModelServer` with ``options`` (batching counted in rows)."""
+    return serve.deployment(
+        ModelServer,
+        name="ModelServer",
+        num_replicas=options.replicas,
+        ray_actor_options={"num_cpus": options.replica_cpus},
+        max_ongoing_requests=256,
+    )
+
+
+def start_serving(model_dir: str, options: ServeOptions, *, address: str | None = None) -> str:
+    """Start Ray (embedded loopback cluster, or join ``address``), then the app; returns its URL."""
+    from psrec.serve.model_dir import read_manifest
+    from psrec.storage import location
+    from psrec.train.cluster import start_ray
+
+    read_manifest(location(model_dir))  # a clear error here, before any replica starts
+    cpus = None if address else max(2, int(options.replicas * options.replica_cpus + 0.999))
+    start_ray(address, num_cpus=cpus)
+    serve.start(http_options={"host": options.host, "port": options.port})
+    serve.run(deployment(options).bind(model_dir, options), name=APPLICATION, route_prefix="/")
+    url = f"http://{options.host}:{options.port}/"
+    logger.info("serving %s at %s with %d replica(s)", model_dir, url, options.replicas)
+    return url
+
+
+def stop_serving() -> None:
+    serve.delete(APPLICATION)
+    serve.shutdown()
+
+
+def serve_forever(model_dir: str, options: ServeOptions, *, address: str | None = None) -> None:
+    """`psrec serve`: serve until interrupted (Ctrl-C or SIGTERM), then stop the app and Ray Serve."""
+    import ray
+
+    start_serving(model_dir, options, address=address)
+    try:
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        logger.info("stopping")
+    finally:
+        stop_serving()
+        ray.shutdown()
