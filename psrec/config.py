@@ -67,6 +67,23 @@ class EvictionConfig(_Strict):
     every_steps: int = Field(1000, ge=1, description="how often the trainer asks shards to evict")
 
 
+class StorageConfig(_Strict):
+    """A disk tier (docs/disk_tier.md): each shard keeps the table's hottest rows in memory, the rest
+    in a file under disk_dir. Give memory_rows or memory_gb."""
+
+    memory_rows: int | None = Field(None, ge=1, description="rows each shard keeps in memory")
+    memory_gb: float | None = Field(
+        None, gt=0, description="memory each shard gives this table: hot rows, their state, both indexes"
+    )
+    disk_dir: str = Field(min_length=1, description="a local directory for the cold rows (SSD)")
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> StorageConfig:
+        if (self.memory_rows is None) == (self.memory_gb is None):
+            raise ValueError("storage needs exactly one of memory_rows and memory_gb")
+        return self
+
+
 class TableConfig(_Strict):
     dim: int = Field(16, ge=1)
     expected_rows: int | None = Field(
@@ -86,6 +103,13 @@ class TableConfig(_Strict):
     stochastic_rounding: bool = False
     admission: AdmissionConfig = AdmissionConfig()
     eviction: EvictionConfig = EvictionConfig()
+    storage: StorageConfig | None = None
+
+    @model_validator(mode="after")
+    def _storage_needs_lazy(self) -> TableConfig:
+        if self.storage is not None and not self.optimizer.lazy:
+            raise ValueError("storage (a disk tier) needs optimizer.lazy: true")
+        return self
 
 
 class EmbeddingConfig(_Strict):
@@ -104,7 +128,7 @@ class DenseOptimizerConfig(_Strict):
 
 
 class EarlyStoppingConfig(_Strict):
-    metric: Literal["auc", "logloss", "hr@10", "ndcg@10", "mrr"] = "auc"
+    metric: Literal["auc", "logloss", "hr@10", "ndcg@10", "mrr", "full_hr@10", "full_ndcg@10"] = "auc"
     patience: int = Field(2, ge=1)
     lr_decay: float = Field(0.1, gt=0, le=1, description="multiply all learning rates on a plateau")
 
@@ -118,6 +142,9 @@ class TrainingConfig(_Strict):
     log_every_steps: int = Field(20, ge=1)
     eval_every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
     early_stopping: EarlyStoppingConfig | None = None
+    # SASRec: also rank each held-out item among all items (the user's input items excluded), reported
+    # as full_hr@K / full_ndcg@K / full_mrr beside the 100-sampled-negative protocol's hr@K / ndcg@K.
+    full_ranking: bool = False
     # L2 on the embedding rows each step touches (BARS-style), applied once per step by the shards as
     # the tables' weight decay: exact with any number of trainers. Linear (wide) tables are exempt.
     embedding_l2: float = Field(0.0, ge=0)
@@ -249,6 +276,19 @@ class CheckpointConfig(_Strict):
 
 class FaultToleranceConfig(_Strict):
     max_restarts: int = Field(3, ge=0, description="actor failures survived before the run gives up")
+    shard_failover: bool = Field(
+        False,
+        description="a dead shard is rebuilt alone from its checkpoint file and a log of its operations "
+        "since (no rollback, nothing recomputed; docs/fault_tolerance.md)",
+    )
+    push_log: str | None = Field(
+        None,
+        min_length=1,
+        description="directory of the shards' logs, one every shard's node reaches (default RUN_DIR/push-log)",
+    )
+    push_log_fsync: bool = Field(
+        False, description="fsync every log record: survives a lost machine, not only a killed process"
+    )
 
 
 class SyntheticDataConfig(_Strict):
@@ -327,6 +367,15 @@ class RunConfig(_Strict):
             raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
         if self.ps.pipeline is not None:
             self._check_pipeline(self.ps.pipeline)
+        if self.model.name == "sasrec":
+            self._check_sasrec_negatives(getattr(self.model, "loss", "bce"))
+        early = self.training.early_stopping
+        if self.training.full_ranking and self.model.name != "sasrec":
+            raise ValueError(f"training.full_ranking ranks items for model sasrec, not {self.model.name!r}")
+        if early is not None and early.metric.startswith("full_") and not self.training.full_ranking:
+            raise ValueError(
+                f"training.early_stopping.metric {early.metric!r} needs training.full_ranking: true"
+            )
         ftrl = [t for t in tables if self.table_config(t).optimizer.name == "ftrl"]
         if self.training.embedding_l2 > 0 and ftrl:
             raise ValueError(
@@ -342,6 +391,30 @@ class RunConfig(_Strict):
                     "or choose ps.sharding row_wise | table_wise"
                 )
         return self
+
+    def _check_sasrec_negatives(self, loss: str) -> None:
+        """model.loss sampled_softmax draws its negatives from data.schema's "negatives" sequence."""
+        sequences = {f.name: f for f in self.feature_schema().sequences}
+        negatives = sequences.get("negatives")
+        if loss == "sampled_softmax" and negatives is None:
+            table = sequences["seq"].table if "seq" in sequences else "items"
+            raise ValueError(
+                "model.loss 'sampled_softmax' needs the negatives in data.schema.sequences: add "
+                f"{{name: negatives, table: {table}, max_length: N, hashed: false, namespace: item}} "
+                "(N sampled items per user, e.g. 100)"
+            )
+        if loss == "bce" and negatives is not None:
+            raise ValueError(
+                "data.schema.sequences has 'negatives', which only model.loss 'sampled_softmax' uses: "
+                "set model.loss: sampled_softmax or remove it"
+            )
+        if negatives is not None and "seq" in sequences and negatives.table != sequences["seq"].table:
+            raise ValueError(
+                f"data.schema.sequences 'negatives' must use the item table of 'seq' "
+                f"({sequences['seq'].table!r}), not {negatives.table!r}"
+            )
+        if loss == "sampled_softmax" and self.ps.pipeline is not None:
+            raise ValueError("ps.pipeline trains SASRec with model.loss 'bce' only")
 
     def _check_pipeline(self, pipeline: PipelineConfig) -> None:
         num_blocks = getattr(self.model, "num_blocks", None)
@@ -363,7 +436,8 @@ class RunConfig(_Strict):
         data["training"] = {
             k: v
             for k, v in data["training"].items()
-            if k not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps", "compile")
+            if k
+            not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps", "compile", "full_ranking")
         }
         data.pop("run_dir")
         data.pop("checkpoint")

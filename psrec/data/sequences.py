@@ -13,7 +13,11 @@ sequence, the batch's sequences are, right-aligned and cut to the last `max_leng
     "seq": s[:-1]    input items                     (B, L) ids + mask
     "pos": s[1:]     next item at each position      (B, L), same mask
     "neg": one item per position, uniform over items the user never trained on, drawn from
-           rng(seed, user) so a resumed epoch draws the same negatives
+           rng(seed, user) so a resumed epoch draws the same negatives (the reader's seed changes
+           every epoch: fresh negatives per epoch)
+    "negatives": only when the schema has it (SASRec's sampled softmax): N = its max_length items
+           per user, uniform over the items the user never trained on (with replacement), drawn
+           from the same rng after "neg"; (B, N), shared by the user's positions
 
 Evaluation (`evaluation_batches`): input = training sequence (+ the validation item for "test"),
 last `max_length` items; `"candidates"` (B, 1 + num_negatives) = the held-out item first, then
@@ -53,6 +57,7 @@ logger = logging.getLogger(__name__)
 USERS_PER_UNIT = 256
 _INTEGER = re.compile(rb"\t*-?[0-9]+\t*")  # pyarrow trims tabs around a number
 SEQUENCE_COLUMNS = ("seq", "pos", "neg")
+NEGATIVES = "negatives"  # the optional (B, N) sampled-softmax negatives
 
 
 @dataclass(frozen=True)
@@ -75,13 +80,17 @@ class InteractionData:
         return history[:-2], int(history[-2]), int(history[-1])
 
 
-def sasrec_schema(max_length: int, *, table: str = "items") -> Schema:
-    """The schema of interaction training batches: "seq", "pos", "neg" item sequences (ids pass through)."""
+def sasrec_schema(max_length: int, *, table: str = "items", num_negatives: int = 0) -> Schema:
+    """The schema of interaction training batches: "seq", "pos", "neg" item sequences (ids pass through),
+    and with `num_negatives` > 0 the sampled softmax's "negatives" (that many items per user)."""
+    lengths = {name: max_length for name in SEQUENCE_COLUMNS}
+    if num_negatives:
+        lengths[NEGATIVES] = num_negatives
     return Schema(
         label="label",
         sequences=[
-            SequenceFeature(name=name, table=table, max_length=max_length, hashed=False, namespace="item")
-            for name in SEQUENCE_COLUMNS
+            SequenceFeature(name=name, table=table, max_length=length, hashed=False, namespace="item")
+            for name, length in lengths.items()
         ],
     )
 
@@ -180,7 +189,7 @@ class InteractionsFormat:
     def __init__(
         self, files: list[Path], schema: Schema, errors: BadRows, *, seed: int, allow_empty: bool = False
     ) -> None:
-        available = {"label", "user", *SEQUENCE_COLUMNS}
+        available = {"label", "user", *SEQUENCE_COLUMNS, NEGATIVES}
         wanted = set(schema.label_names) | set(schema.feature_names)
         if not wanted <= available:
             raise ValueError(
@@ -188,6 +197,7 @@ class InteractionsFormat:
             )
         self.schema = schema
         self.seed = seed
+        self.num_negatives = next((f.max_length for f in schema.sequences if f.name == NEGATIVES), 0)
         files = [path for path in files if check_not_empty(str(path), allow_empty=allow_empty)]
         self.data = load_interactions(files, errors=errors)
         self.eligible = np.array(
@@ -206,6 +216,7 @@ class InteractionsFormat:
         users: list[int] = []
         inputs: list[np.ndarray] = []
         negatives: list[np.ndarray] = []
+        shared: list[np.ndarray] = []  # "negatives", num_negatives per user
         for index in range(unit.start, unit.stop):
             user = int(self.data.users[index])
             if not self.eligible[index] or (after is not None and user <= after):
@@ -215,6 +226,8 @@ class InteractionsFormat:
             inputs.append(train)
             rng = np.random.default_rng([self.seed, user])
             negatives.append(sample_negatives(rng, train.size - 1, self.data.num_items, train))
+            if self.num_negatives:
+                shared.append(sample_negatives(rng, self.num_negatives, self.data.num_items, train))
         if not users:
             return
         lengths = np.array([train.size - 1 for train in inputs], dtype=np.int32)
@@ -224,16 +237,34 @@ class InteractionsFormat:
             return pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(values).astype(np.int64)))
 
         user_ids = pa.array(users, pa.int64())
-        yield pa.table(
-            {
-                "label": pa.array(np.zeros(len(users), np.float32)),
-                "user": user_ids,
-                "seq": lists([train[:-1] for train in inputs]),
-                "pos": lists([train[1:] for train in inputs]),
-                "neg": lists(negatives),
-                ROW_ID: user_ids,
-            }
-        )
+        columns = {
+            "label": pa.array(np.zeros(len(users), np.float32)),
+            "user": user_ids,
+            "seq": lists([train[:-1] for train in inputs]),
+            "pos": lists([train[1:] for train in inputs]),
+            "neg": lists(negatives),
+            ROW_ID: user_ids,
+        }
+        if self.num_negatives:
+            shared_offsets = pa.array(np.arange(len(users) + 1, dtype=np.int32) * self.num_negatives)
+            columns[NEGATIVES] = pa.ListArray.from_arrays(shared_offsets, pa.array(np.concatenate(shared)))
+        yield pa.table(columns)
+
+
+def _held_out(
+    data: InteractionData, *, split: str, shard: int, num_shards: int
+) -> Iterator[tuple[int, int, np.ndarray, int]]:
+    """(user index, user, input sequence, held-out item) of this shard's users with a held-out item."""
+    if split not in ("valid", "test"):
+        raise ValueError(f"split must be 'valid' or 'test', not {split!r}")
+    for index in range(shard, data.users.size, num_shards):
+        train, valid, test = data.split(index)
+        if valid is None or test is None:
+            continue
+        if split == "valid":
+            yield index, int(data.users[index]), train, valid
+        else:
+            yield index, int(data.users[index]), np.append(train, valid), int(test)
 
 
 def evaluation_batches(
@@ -251,16 +282,8 @@ def evaluation_batches(
 
     Users are sharded round-robin (user index mod num_shards); negatives come from rng(seed, user).
     """
-    if split not in ("valid", "test"):
-        raise ValueError(f"split must be 'valid' or 'test', not {split!r}")
     pending: list[tuple[int, np.ndarray, np.ndarray]] = []
-    for index in range(shard, data.users.size, num_shards):
-        train, valid, test = data.split(index)
-        if valid is None or test is None:
-            continue
-        user = int(data.users[index])
-        inputs = train if split == "valid" else np.append(train, valid)
-        target = valid if split == "valid" else test
+    for index, user, inputs, target in _held_out(data, split=split, shard=shard, num_shards=num_shards):
         rng = np.random.default_rng([seed, user, 1])
         negatives = sample_negatives(rng, num_negatives, data.num_items, data.history(index))
         pending.append((user, inputs, np.concatenate(([target], negatives))))
@@ -269,6 +292,59 @@ def evaluation_batches(
             pending = []
     if pending:
         yield _evaluation_batch(pending, max_length)
+
+
+@dataclass(frozen=True)
+class FullRankingBatch:
+    """Users to rank every item for: candidate column j is item j + 1 (items 1..num_items).
+
+    ``batch``: "seq" (B, L) and "candidates" (1, num_items), shared by the batch; ``targets`` (B,) the
+    held-out items' columns; ``seen`` (B, num_items) the items of each user's input sequence (excluded
+    from the ranking, the target itself never; `psrec.train.metrics.full_ranks`).
+    """
+
+    batch: Batch
+    targets: np.ndarray
+    seen: np.ndarray
+
+
+def full_ranking_batches(
+    data: InteractionData,
+    *,
+    split: str,
+    max_length: int,
+    batch_size: int,
+    shard: int = 0,
+    num_shards: int = 1,
+) -> Iterator[FullRankingBatch]:
+    """The users of `evaluation_batches` (same inputs, same order), each to rank all items.
+
+    The input sequence is the training sequence (+ the validation item for "test"), as in the sampled
+    protocol; the items in it are marked ``seen`` (the field's full-ranking protocol: a user's own
+    history is not recommended back).
+    """
+    all_items = np.arange(1, data.num_items + 1, dtype=np.int64)[None, :]  # (1, N)
+    candidates = PaddedSequence(all_items, np.ones(all_items.shape, bool))
+    pending: list[tuple[int, np.ndarray, int]] = []
+
+    def flush() -> FullRankingBatch:
+        batch = _evaluation_batch(
+            [(user, inputs, all_items[0, :0]) for user, inputs, _ in pending], max_length
+        )
+        batch.sequences["candidates"] = candidates
+        seen = np.zeros((len(pending), data.num_items), bool)
+        rows = np.repeat(np.arange(len(pending)), [inputs.size for _, inputs, _ in pending])
+        seen[rows, np.concatenate([inputs for _, inputs, _ in pending]) - 1] = True
+        targets = np.array([target - 1 for _, _, target in pending], dtype=np.int64)
+        return FullRankingBatch(batch, targets, seen)
+
+    for _, user, inputs, target in _held_out(data, split=split, shard=shard, num_shards=num_shards):
+        pending.append((user, inputs, target))
+        if len(pending) == batch_size:
+            yield flush()
+            pending = []
+    if pending:
+        yield flush()
 
 
 def _evaluation_batch(rows: list[tuple[int, np.ndarray, np.ndarray]], max_length: int) -> Batch:

@@ -121,6 +121,9 @@ class SASRecConfig(_ModelConfigBase):
     num_blocks: PositiveInt = 2
     num_heads: PositiveInt = 1
     dropout: Dropout = 0.2
+    # bce: one sampled negative per position (the paper's); sampled_softmax: cross-entropy over the
+    # data schema's "negatives" sequence (N uniform items per user; N = its max_length).
+    loss: Literal["bce", "sampled_softmax"] = "bce"
 
 
 ModelConfig = Annotated[

@@ -19,20 +19,33 @@ reference attends them; on Beauty that changes nothing measurable).
 Inputs (``ModelInput.sequences``, all pulled from the same item table):
 
 - ``"seq"`` (B, L, D) with ``masks["seq"]`` (B, L) bool: the left-padded history, most recent last.
-- training: ``"pos"`` (B, L, D), the next item at each position, and ``"neg"`` (B, L, D), one sampled
-  negative per position. Loss (the reference code's): ``mean BCE(r_pos, 1) + mean BCE(r_neg, 0)``, both
-  means over real positions, ``masks["pos"]`` when given, else ``masks["seq"]``.
-- evaluation: ``"candidates"``, (B, C, D) per user (sampled protocol: target first) or (N, D) shared
-  by the batch (full ranking), scored against the last position: ``forward -> (B, C)`` or ``(B, N)``.
+- training: ``"pos"`` (B, L, D), the next item at each position, and the negatives of the loss:
+
+  - ``loss="bce"`` (the reference code's): ``"neg"`` (B, L, D), one sampled negative per position;
+    ``mean BCE(r_pos, 1) + mean BCE(r_neg, 0)``.
+  - ``loss="sampled_softmax"``: ``"negatives"`` (B, N, D), N sampled items per user shared by its
+    positions; cross-entropy of the next item among itself and the N:
+    ``mean(logsumexp([r_pos, r_neg_1 .. r_neg_N]) - r_pos)`` (`sampled_softmax_loss`). The
+    negatives are drawn uniformly (psrec's interactions reader), so there is no popularity bias to
+    correct; the logQ correction would subtract the same constant log(N / num_items) from every
+    negative logit (which turns the loss into an estimate of the full softmax), and is left out, as
+    is usual for uniform negatives.
+
+  Means over real positions, ``masks["pos"]`` when given, else ``masks["seq"]``.
+- evaluation: ``"candidates"``, (B, C, D) per user (sampled protocol: target first) or (N, D) or
+  (1, N, D) shared by the batch (full ranking), scored against the last position: ``forward -> (B, C)``
+  or ``(B, N)``.
 
 Stages (``stages()``): `SASRecEmbedding` (ModelInput -> {"hidden", "mask", and pass-through "pos",
 "neg", "candidates"}), the `TransformerStack`, `SASRecHead` (final layer norm and the dot products ->
-{"hidden", "pos_logits", "neg_logits", "candidate_logits"} for whatever inputs were given).
+{"hidden", "pos_logits", "neg_logits", "negatives_logits" (B, L, N), "candidate_logits"} for whatever
+inputs were given).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as functional
@@ -41,7 +54,8 @@ from torch import nn
 from psrec.models.base import ModelInput, ModelStages
 from psrec.models.transformer import Dropout, TransformerBlock, TransformerStack
 
-TARGET_SEQUENCES = ("pos", "neg", "candidates")
+TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
+Loss = Literal["bce", "sampled_softmax"]
 NORM_EPS = 1e-8
 
 
@@ -84,9 +98,13 @@ class SASRecHead(nn.Module):
             out["pos_logits"] = (hidden * state["pos"]).sum(-1)  # (B, L)
         if "neg" in state:
             out["neg_logits"] = (hidden * state["neg"]).sum(-1)  # (B, L)
+        if "negatives" in state:
+            out["negatives_logits"] = hidden @ state["negatives"].transpose(1, 2)  # (B, L, N)
         if "candidates" in state:
             last = hidden[:, -1]  # (B, D): the most recent position (sequences are left-padded)
             candidates = state["candidates"]
+            if candidates.ndim == 3 and candidates.shape[0] == 1:  # (1, N, D): shared by the batch
+                candidates = candidates[0]
             if candidates.ndim == 2:
                 out["candidate_logits"] = last @ candidates.T  # (B, N)
             else:
@@ -105,8 +123,12 @@ class SASRec(nn.Module):
         num_blocks: int = 2,
         num_heads: int = 1,
         dropout: float = 0.2,
+        loss: Loss = "bce",
     ) -> None:
         super().__init__()
+        if loss not in ("bce", "sampled_softmax"):
+            raise ValueError(f"SASRec loss must be 'bce' or 'sampled_softmax', not {loss!r}")
+        self.loss_name = loss
         self.embedding = SASRecEmbedding(embedding_dim, max_length=max_length, dropout=dropout)
         self.blocks = TransformerStack(
             embedding_dim,
@@ -154,20 +176,40 @@ class SASRec(nn.Module):
         return self.run(inp)["candidate_logits"]
 
     def loss(self, inp: ModelInput, labels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean positive/negative BCE at real positions, (B, 2) [pos, neg] logits at the last position).
+        """(the loss over real positions, (B, 2) [pos, a negative] logits at the last position).
 
-        `labels` is ignored: the targets are the next items ("pos") and sampled negatives ("neg").
+        `labels` is ignored: the targets are the next items ("pos") and sampled negatives ("neg" for
+        BCE, "negatives" for the sampled softmax; see the module docstring).
         """
-        if "pos" not in inp.sequences or "neg" not in inp.sequences:
-            raise ValueError('SASRec.loss needs ModelInput.sequences["pos"] and ["neg"]')
+        negatives = "neg" if self.loss_name == "bce" else "negatives"
+        if "pos" not in inp.sequences or negatives not in inp.sequences:
+            raise ValueError(
+                f'SASRec.loss ({self.loss_name}) needs ModelInput.sequences["pos"] and ["{negatives}"]'
+            )
         out = self.run(inp)
         real = inp.masks.get("pos", inp.masks["seq"]).bool()  # (B, L)
-        positive, negative = out["pos_logits"][real], out["neg_logits"][real]
-        loss = functional.binary_cross_entropy_with_logits(
-            positive, torch.ones_like(positive)
-        ) + functional.binary_cross_entropy_with_logits(negative, torch.zeros_like(negative))
-        scores = torch.stack([out["pos_logits"][:, -1], out["neg_logits"][:, -1]], dim=1).detach()
+        positive = out["pos_logits"]
+        if self.loss_name == "sampled_softmax":
+            negative = out["negatives_logits"]  # (B, L, N)
+            loss = sampled_softmax_loss(positive[real], negative[real])
+            last_negative = negative[:, -1, 0]
+        else:
+            negative = out["neg_logits"]  # (B, L)
+            loss = functional.binary_cross_entropy_with_logits(
+                positive[real], torch.ones_like(positive[real])
+            ) + functional.binary_cross_entropy_with_logits(negative[real], torch.zeros_like(negative[real]))
+            last_negative = negative[:, -1]
+        scores = torch.stack([positive[:, -1], last_negative], dim=1).detach()
         return loss, scores
 
     def predict(self, inp: ModelInput) -> torch.Tensor:
         return self(inp)
+
+
+def sampled_softmax_loss(positive: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each target among itself and its sampled negatives.
+
+    positive (R,) and negatives (R, N) logits of R real positions: ``mean(logsumexp([p, n]) - p)``.
+    """
+    logits = torch.cat([positive.unsqueeze(-1), negatives], dim=-1)  # (R, 1 + N)
+    return (torch.logsumexp(logits, dim=-1) - positive).mean()

@@ -23,9 +23,17 @@ Action = Literal["improved", "decay", "stop"]
 
 
 def evaluation_metrics(parts: dict[str, np.ndarray]) -> dict[str, float]:
-    """AUC and logloss of ``{"labels", "scores"}``, or HR/NDCG/MRR at 1, 5, 10 of ``{"ranks"}``; and "rows"."""
+    """AUC and logloss of ``{"labels", "scores"}``, or HR/NDCG/MRR at 1, 5, 10 of ``{"ranks"}``; and "rows".
+
+    Ranks over all items (``"full_ranks"``, besides the sampled ``"ranks"``) add the same metrics
+    named ``full_hr@K``, ``full_ndcg@K``, ``full_mrr``.
+    """
     if "ranks" in parts:
-        return {**ranking_metrics(parts["ranks"], ks=(1, 5, 10)), "rows": int(parts["ranks"].size)}
+        metrics = {**ranking_metrics(parts["ranks"], ks=(1, 5, 10)), "rows": int(parts["ranks"].size)}
+        if "full_ranks" in parts:
+            full = ranking_metrics(parts["full_ranks"], ks=(1, 5, 10))
+            metrics.update({f"full_{name}": value for name, value in full.items()})
+        return metrics
     labels, scores = parts["labels"], parts["scores"]
     return {"auc": auc(labels, scores), "logloss": logloss(labels, scores), "rows": int(labels.size)}
 

@@ -70,6 +70,7 @@ def test_constructor_arguments_are_the_sizes_and_fields() -> None:
         "num_blocks": 2,
         "num_heads": 5,
         "dropout": 0.2,
+        "loss": "bce",
     }
     assert constructor_arguments(DCNv2Config(low_rank=2, dense_init="xavier_normal"), sizes) == {
         **sizes,
