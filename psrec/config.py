@@ -284,7 +284,8 @@ class FaultToleranceConfig(_Strict):
     push_log: str | None = Field(
         None,
         min_length=1,
-        description="directory of the shards' logs, one every shard's node reaches (default RUN_DIR/push-log)",
+        description="directory of the shards' logs, one every shard's node reaches (default: the "
+        "temporary directory, one machine only)",
     )
     push_log_fsync: bool = Field(
         False, description="fsync every log record: survives a lost machine, not only a killed process"

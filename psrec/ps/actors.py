@@ -3,11 +3,22 @@
 `ShardActor` builds its tables from plain `TableSpec`s inside its own process and wraps a
 `ParameterShard`; `RayConnection` adapts an actor handle to the client's `ShardConnection`
 protocol. NumPy arrays travel zero-copy through Ray's object store (they arrive read-only).
+
+Shard failover: a `ShardActor` given a ``push_log`` directory logs every operation that changes it
+(`psrec.ps.replay`), and one created again on the same directory (Ray restarts the actor in place
+when it was created with ``max_restarts``) rebuilds the shard from its checkpoint file and the log
+before it answers. `RayConnection` sends the calls that a dying shard did not answer again, in
+their original order, once the shard is back (`ActorUnavailableError`: Ray is restarting it); the
+shard drops or answers what it had already done, so the caller waits and nothing is lost or doubled.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,10 +26,13 @@ import numpy as np
 from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
 from psrec.embedding import EmbeddingTable, TableSpec, warmup
 from psrec.ps.client import Pending
+from psrec.ps.replay import LoggedShard, announce_recovery
 from psrec.ps.shard import ParameterShard, TableGradients
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.ps.wire import check_precision, decode_gradients, encode_rows
 from psrec.threads import set_thread_counts
+
+logger = logging.getLogger(__name__)
 
 # ParameterShard's maintenance methods a driver may call through `ShardActor.call`.
 MAINTENANCE_METHODS = frozenset(
@@ -40,7 +54,8 @@ class ShardActor:
     """One PS shard process (created with `ray.remote(ShardActor).options(...).remote(...)`).
 
     ``num_trainers`` is the number of trainers whose pushes complete a sync step; ``wire_precision``
-    the precision of the rows it sends back (`psrec.ps.wire`).
+    the precision of the rows it sends back (`psrec.ps.wire`); ``push_log`` the directory of this
+    shard's log (None: no log, no failover), fsynced per record with ``push_log_fsync``.
     """
 
     def __init__(
@@ -52,7 +67,12 @@ class ShardActor:
         mode: str,
         wire_precision: str = "fp32",
         threads: int = 1,
+        push_log: str | None = None,
+        push_log_fsync: bool = False,
     ) -> None:
+        started = time.time()
+        if push_log is not None:
+            announce_recovery(Path(push_log))  # a restarted process: say who rebuilds the shard
         set_thread_counts(threads)
         check_precision(wire_precision)
         self.wire_precision = wire_precision
@@ -63,6 +83,9 @@ class ShardActor:
             num_trainers=num_trainers,
             mode=mode,
         )
+        self.logged: LoggedShard | None = None
+        if push_log is not None:
+            self.logged = LoggedShard.open(self.shard, Path(push_log), fsync=push_log_fsync, started=started)
 
     def pid(self) -> int:
         return os.getpid()
@@ -70,49 +93,141 @@ class ShardActor:
     def location(self) -> dict[str, Any]:
         return actor_location()
 
-    def pull(self, requests: dict[str, np.ndarray], train: bool) -> dict[str, np.ndarray]:
-        rows = self.shard.pull(requests, train=train)
+    def pull(
+        self,
+        requests: dict[str, np.ndarray],
+        train: bool,
+        caller: str | None = None,
+        request: int | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Rows of each table's ids; a training pull's (caller, request) number makes it idempotent."""
+        if self.logged is not None:
+            rows = self.logged.pull(requests, train=train, caller=caller, request=request)
+        else:
+            rows = self.shard.pull(requests, train=train)
         return {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
+        if self.logged is not None:  # logged as it arrived (wire precision), decoded when applied
+            return self.logged.push(trainer, request_id, step, dict(gradients))
         decoded = {name: (ids, decode_gradients(grads)) for name, (ids, grads) in gradients.items()}
         return self.shard.push(trainer, request_id, step, decoded)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, *args: Any) -> Any:
         """Run one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots, learning rate)."""
         if method not in MAINTENANCE_METHODS:
             raise ValueError(f"ShardActor.call: unknown method {method!r}")
-        return getattr(self.shard, method)(*args, **kwargs)
+        if self.logged is not None:
+            return self.logged.call(method, *args)
+        return getattr(self.shard, method)(*args)
 
     def write_checkpoint(self, pending: PendingCheckpoint, kind: str) -> FileRecord:
         """Write this shard's file of a pending checkpoint (shards write in parallel)."""
         return write_shard_checkpoint(self.shard, pending, kind)
 
     def restore(self, chain: list[CheckpointRef], step: int) -> None:
-        restore_shard(self.shard, chain, step)
+        if self.logged is not None:
+            self.logged.restore(chain, step)
+        else:
+            restore_shard(self.shard, chain, step)
+
+    def checkpointed(self, chain: list[CheckpointRef]) -> None:
+        """`chain` is committed and holds this shard's state: its log starts again from it."""
+        if self.logged is not None:
+            self.logged.checkpointed(chain)
+
+    def failover_report(self) -> dict[str, Any] | None:
+        """This process's log: records and bytes written, restores, and how it rebuilt the shard."""
+        return self.logged.report() if self.logged is not None else None
+
+
+# Times a connection sends a call again to a shard that Ray is restarting, before it gives up.
+RESEND_ATTEMPTS = 16
 
 
 class _RayPending:
-    def __init__(self, ref: Any) -> None:
-        self.ref = ref
+    """One call to a shard actor: what to send again if the shard dies before it answers."""
+
+    def __init__(self, connection: RayConnection, method: str, args: tuple[Any, ...]) -> None:
+        self.connection = connection
+        self.method = method
+        self.args = args
+        self.ref = getattr(connection.actor, method).remote(*args)
+
+    def resend(self) -> None:
+        self.ref = getattr(self.connection.actor, self.method).remote(*self.args)
 
     def result(self) -> Any:
-        import ray
-
-        return ray.get(self.ref)
+        return self.connection.result_of(self)
 
 
 class RayConnection:
-    """The client's view of a `ShardActor` handle."""
+    """The client's view of a `ShardActor` handle.
+
+    Calls not yet answered are kept in submission order. When one fails because the shard is being
+    restarted (`ActorUnavailableError`), every kept call whose first copy failed is sent again in
+    that order (Ray does not keep the order of calls it retries itself), and the waiting call
+    returns once the restarted shard answers it. A shard that died for good (`ActorDiedError`)
+    raises as before: the driver then rolls the job back.
+    """
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
+        self.caller = uuid.uuid4().hex  # names this connection's training pulls (`LoggedShard.pull`)
+        self._pulls = 0
+        self._outstanding: list[_RayPending] = []
+        self.resent = 0
 
     def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending:
-        return _RayPending(self.actor.pull.remote(requests, train))
+        if not train:
+            return self._submit("pull", (requests, train))
+        self._pulls += 1
+        return self._submit("pull", (requests, train, self.caller, self._pulls))
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
-        return _RayPending(self.actor.push.remote(trainer, request_id, step, gradients))
+        return self._submit("push", (trainer, request_id, step, gradients))
+
+    def _submit(self, method: str, args: tuple[Any, ...]) -> _RayPending:
+        pending = _RayPending(self, method, args)
+        self._outstanding.append(pending)
+        return pending
+
+    def result_of(self, pending: _RayPending) -> Any:
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        for attempt in range(RESEND_ATTEMPTS + 1):
+            try:
+                value = ray.get(pending.ref)
+            except ActorUnavailableError:
+                if attempt == RESEND_ATTEMPTS:
+                    raise
+                self._resend_failed()
+                continue
+            if pending in self._outstanding:
+                self._outstanding.remove(pending)
+            return value
+        raise AssertionError("unreachable")
+
+    def _resend_failed(self) -> None:
+        """Wait until every kept call has an answer or has failed, then send the failed ones again, in
+        their submission order (a restarted shard executes one caller's calls in that order)."""
+        import ray
+        from ray.exceptions import ActorUnavailableError
+
+        failed = []
+        for pending in self._outstanding:
+            try:
+                ray.get(pending.ref)
+            except ActorUnavailableError:
+                failed.append(pending)
+            except Exception:  # noqa: BLE001 - its own error is raised when its result is asked for
+                continue
+        if failed:
+            logger.warning("shard unavailable: sending %d calls again once it is back", len(failed))
+        for pending in failed:
+            pending.resend()
+            self.resent += 1
 
 
 def actor_location() -> dict[str, Any]:

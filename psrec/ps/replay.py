@@ -13,6 +13,7 @@ the shard (and not logged), and a training pull carries a per-caller sequence nu
 sent again after a failure (its first copy ran, its reply was lost) is answered from the rows
 without inserting or counting anything a second time.
 
+    prepare_fresh(Path("log/shard-0"))                                          # the driver, once
     shard = LoggedShard.open(ParameterShard(0, tables), Path("log/shard-0"))   # fresh or recovered
     shard.pull({"t": ids}, train=True, caller="trainer-0", request=1)
     shard.push(0, 0, 0, {"t": (ids, grads)})
@@ -20,6 +21,7 @@ without inserting or counting anything a second time.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -38,10 +40,31 @@ from psrec.storage import location
 
 logger = logging.getLogger(__name__)
 
+RECOVERING_FILE = "recovering.json"
+FRESH_FILE = "fresh"
+
 # ParameterShard maintenance calls that change the tables (logged); the others only read.
 LOGGED_CALLS = frozenset(
     {"set_learning_rate", "evict", "save_snapshot", "restore_snapshot", "confirm_checkpoint"}
 )
+
+
+def prepare_fresh(directory: Path) -> None:
+    """Mark `directory` as the log of a shard about to be created with fresh tables (the driver does
+    this; a process that finds neither this mark nor a log refuses to start with fresh tables)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / FRESH_FILE).touch()
+
+
+def announce_recovery(directory: Path) -> bool:
+    """When `directory` holds a log, write ``recovering.json`` (this process's id and start time):
+    the process that is rebuilding the shard. Returns whether there is a log to recover from."""
+    if not segment_paths(directory):
+        return False
+    temporary = directory / f".recovering-{os.getpid()}.json"
+    temporary.write_text(json.dumps({"pid": os.getpid(), "started": time.time()}))
+    temporary.replace(directory / RECOVERING_FILE)
+    return True
 
 
 def ref_to_json(ref: CheckpointRef) -> dict[str, Any]:
@@ -80,13 +103,23 @@ class LoggedShard:
 
     # -- opening: fresh or recovered --------------------------------------------------------------
     @classmethod
-    def open(cls, shard: ParameterShard, directory: Path, *, fsync: bool = False) -> LoggedShard:
-        """A fresh shard on an empty directory; otherwise the shard rebuilt from the newest segment."""
+    def open(
+        cls, shard: ParameterShard, directory: Path, *, fsync: bool = False, started: float | None = None
+    ) -> LoggedShard:
+        """A fresh shard on a directory `prepare_fresh` marked; otherwise the shard rebuilt from the
+        newest segment (`started`: when the rebuilding process began, for its recovery report)."""
         logged = cls(shard, PushLog(directory, fsync=fsync))
         if not segment_paths(directory):
+            if not (directory / FRESH_FILE).exists():
+                raise PushLogError(
+                    f"shard {shard.shard_index}: {directory} holds neither a log nor the mark of a new "
+                    "shard: this process cannot see the log of the shard it replaces. Set "
+                    "fault_tolerance.push_log to a directory every node of the cluster reaches"
+                )
             logged.log.start_segment({"kind": "fresh"})
+            (directory / FRESH_FILE).unlink()
             return logged
-        started = time.time()
+        started = time.time() if started is None else started
         segment, skipped = latest_segment(directory)
         if segment is None:
             raise PushLogError(f"{directory}: no readable segment to recover from: {'; '.join(skipped)}")

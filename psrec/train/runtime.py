@@ -31,6 +31,7 @@ from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement
 from psrec.train.cluster import required_cpus, start_ray
+from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import ChunkResult, TrainerWorker
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,11 @@ class RuntimeBase:
             checkpoint.abort_checkpoint(pending)
             raise
         self._on_partitions("confirm_checkpoint")
+        self._checkpoint_committed(ref)
         return ref
+
+    def _checkpoint_committed(self, ref: CheckpointRef) -> None:
+        """Called once every partition confirmed `ref` (shard failover starts its logs again there)."""
 
     def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]:
         """Load `chain` into every partition and trainer; returns the step, the first trainer's state
@@ -266,7 +271,9 @@ class RayRuntime(RuntimeBase):
 
     Failure handling (`recover`): trainers are all replaced (a survivor may be blocked in an allreduce
     with the dead one), dead shards are re-created, and every shard and trainer is restored from the
-    given checkpoint chain, so the whole job continues from the last committed checkpoint.
+    given checkpoint chain, so the whole job continues from the last committed checkpoint. With
+    ``fault_tolerance.shard_failover`` a dead shard is first rebuilt alone, in place, from its
+    checkpoint file and its log (`psrec.train.failover`); `recover` runs only when that fails.
     """
 
     def __init__(self, config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> None:
@@ -296,7 +303,11 @@ class RayRuntime(RuntimeBase):
         self._data_sources = data_sources
         self._lr_factor = 1.0
         self._shard_tables = builders.shard_table_specs(config, partitions=config.ps.num_shards)
-        self._shard_class = ray.remote(ShardActor)
+        # fault_tolerance.shard_failover: Ray restarts a dead shard in place and it replays its log
+        self._failover = ShardFailover.for_run(config)
+        self._shard_class = (
+            self._failover.actor_class(ShardActor) if self._failover else ray.remote(ShardActor)
+        )
         self._trainer_class = ray.remote(TrainerWorker)
         self._trainer_group = placement.TrainerGroup(
             config.ps.trainer_resources,
@@ -329,6 +340,7 @@ class RayRuntime(RuntimeBase):
             mode=ps.mode,
             wire_precision=ps.wire_precision,
             threads=ps.shard_resources.threads,
+            **(self._failover.shard_options(index) if self._failover else {}),
         )
 
     def _start_trainers(self) -> None:
@@ -368,14 +380,29 @@ class RayRuntime(RuntimeBase):
             return [getattr(t, f"shard_{method}").remote(*args) for t in self.trainers]
         return [getattr(s, method).remote(*args) for s in self.shards]
 
+    def _partitions(self, method: str, *args: Any) -> list[Any]:
+        if self._failover is not None:  # a shard being restarted answers once it is back
+            return call_shards(self.shards, method, *args)
+        return _get(self._partition_calls(method, *args))
+
     def _on_partitions(self, method: str, *args: Any) -> list[Any]:
-        return _get(self._partition_calls("call", method, *args))
+        return self._partitions("call", method, *args)
 
     def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
-        return _get(self._partition_calls("write_checkpoint", pending, kind))
+        return self._partitions("write_checkpoint", pending, kind)
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
-        _get(self._partition_calls("restore", chain, step))
+        self._partitions("restore", chain, step)
+
+    def _checkpoint_committed(self, ref: CheckpointRef) -> None:
+        if self._failover is not None:
+            self._failover.committed(self.shards, ref)
+
+    def failover_reports(self) -> list[dict[str, Any] | None]:
+        """Each shard's log report: records and bytes logged, restores, how it was rebuilt (or None)."""
+        return (
+            self._failover.reports(self.shards) if self._failover is not None else [None] * len(self.shards)
+        )
 
     def _report_placement(self) -> None:
         """Where each actor landed: logged, kept for summary.json (`placement_report`)."""
@@ -410,6 +437,8 @@ class RayRuntime(RuntimeBase):
             dead = list(range(len(self.shards)))
         for index in dead:
             ray.kill(self.shards[index])
+            if self._failover is not None:  # it is restored from the checkpoint, not its log
+                self._failover.forget(index)
             self.shards[index] = self._start_shard(index)
         self._start_trainers()
         if not chain:
@@ -429,6 +458,9 @@ class RayRuntime(RuntimeBase):
             with contextlib.suppress(Exception):
                 ray.kill(actor)
         self._trainer_group.remove()
+        failover = getattr(self, "_failover", None)
+        if failover is not None:
+            failover.close()
         if self._owns_ray:
             ray.shutdown()
 

@@ -18,7 +18,7 @@ from psrec import checkpoint
 from psrec.checkpoint.policy import checkpoint_chain
 from psrec.embedding import AdmissionSpec, EmbeddingTable, InitializerSpec, SparseOptimizerSpec, TableSpec
 from psrec.ps.push_log import PushLogError, segment_paths
-from psrec.ps.replay import LoggedShard
+from psrec.ps.replay import LoggedShard, prepare_fresh
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import write_shard_checkpoint
 from psrec.ps.wire import decode_gradients, encode_gradients
@@ -78,6 +78,7 @@ class Twin:
         self.num_trainers = num_trainers
         self.wire = wire
         self.oracle = new_shard(num_trainers)
+        prepare_fresh(self.log_dir)
         self.logged = LoggedShard.open(new_shard(num_trainers), self.log_dir)
         self.rng = np.random.default_rng(0)
         self.last: checkpoint.CheckpointRef | None = None
@@ -243,3 +244,9 @@ def test_a_push_that_raises_leaves_no_record(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="2 ids but 3 gradient rows"):
         twin.logged.push(0, 1, 1, bad)
     assert_same(twin.rebuild().shard, twin.oracle)
+
+
+def test_a_process_that_cannot_see_the_log_refuses_fresh_tables(tmp_path: Path) -> None:
+    """A restarted shard on a node without the log must not start over with fresh tables."""
+    with pytest.raises(PushLogError, match="fault_tolerance.push_log"):
+        LoggedShard.open(new_shard(), tmp_path / "elsewhere")

@@ -1,0 +1,151 @@
+"""Shard failover for real: SIGKILL a shard actor mid-epoch; only that shard is rebuilt.
+
+With ``fault_tolerance.shard_failover`` the job must finish without a rollback (no recovery in the
+summary, no step recomputed), every training row counted once, the other shards never restored nor
+replaced, and in sync mode end with the undisturbed run's model: every table row and every dense
+weight bit for bit equal. The second kill hits the replacement while it is still rebuilding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import pytest
+import torch
+
+from psrec.train.loop import train
+from tests.conftest import small_run_config
+
+ROWS = 24_000
+
+
+def failover_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
+    settings = {
+        "ps.runtime": "ray",
+        "checkpoint.every_steps": 20,
+        "checkpoint.full_every": 2,
+        "training.log_every_steps": 5,
+        "training.max_steps": 60,
+        "fault_tolerance.shard_failover": True,
+    }
+    return small_run_config(sources, run_dir, **(settings | overrides))
+
+
+class FinishedRun(NamedTuple):
+    summary: dict[str, Any]
+    dense: dict[str, torch.Tensor]
+    rows: dict[str, tuple[np.ndarray, np.ndarray]]
+    reports: list[dict[str, Any] | None]  # each shard's log report at the end
+
+
+def run_to_the_end(config: Any, runtime: Any, **kwargs: Any) -> FinishedRun:
+    try:
+        summary = train(config, runtime=runtime, **kwargs)
+        return FinishedRun(
+            summary, runtime.dense_states()[0], runtime.table_rows(), runtime.failover_reports()
+        )
+    finally:
+        runtime.shutdown()
+
+
+def assert_identical_model(run: FinishedRun, reference: FinishedRun) -> None:
+    for name, value in reference.dense.items():
+        torch.testing.assert_close(run.dense[name], value, rtol=0, atol=0, msg=name)
+    assert run.rows.keys() == reference.rows.keys()
+    for table, (ids, values) in reference.rows.items():
+        np.testing.assert_array_equal(run.rows[table][0], ids, err_msg=table)
+        np.testing.assert_array_equal(run.rows[table][1], values, err_msg=table)
+    assert run.summary["validation"] == reference.summary["validation"]
+
+
+def wait_for_recovering_pid(directory: Path, *, not_in: list[int], timeout: float = 120.0) -> int:
+    """The pid of the process rebuilding a shard (`recovering.json`), once it is a new one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid = int(json.loads((directory / "recovering.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            pid = -1
+        if pid > 0 and pid not in not_in:
+            return pid
+        time.sleep(0.01)
+    raise TimeoutError(f"no new process started rebuilding {directory} within {timeout} s")
+
+
+class Killer:
+    """Kills shard `victim` once, during the chunk after step `after`, and then (with `twice`) its
+    replacement while it rebuilds; on a thread, so the kills land mid-chunk."""
+
+    def __init__(self, runtime: Any, *, victim: int, after: int, twice: bool) -> None:
+        self.runtime, self.victim, self.after, self.twice = runtime, victim, after, twice
+        self.killed: list[int] = []
+        self.errors: list[BaseException] = []
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, report: dict[str, Any]) -> None:
+        if report["step"] >= self.after and self.thread is None:
+            self.thread = threading.Thread(target=self._kill, daemon=True)
+            self.thread.start()
+
+    def _kill(self) -> None:
+        import ray
+
+        try:
+            pid = ray.get(self.runtime.shards[self.victim].pid.remote(), timeout=30)
+            time.sleep(0.05)  # into the next chunk's pulls and pushes
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append(pid)
+            if self.twice:
+                directory = self.runtime._failover.shard_directory(self.victim)
+                replacement = wait_for_recovering_pid(directory, not_in=self.killed)
+                os.kill(replacement, signal.SIGKILL)
+                self.killed.append(replacement)
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            self.errors.append(error)
+
+    def join(self) -> None:
+        assert self.thread is not None, "the kill was never triggered"
+        self.thread.join(timeout=180)
+        assert not self.errors, self.errors
+
+
+@pytest.fixture(scope="module")
+def undisturbed(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> FinishedRun:
+    from psrec.train.runtime import RayRuntime
+
+    config = failover_config(synthetic_sources, tmp_path_factory.mktemp("undisturbed"))
+    return run_to_the_end(config, RayRuntime(config, base_dir=".", data_sources=synthetic_sources))
+
+
+@pytest.mark.ray
+def test_a_killed_shard_and_its_killed_replacement_cost_no_rollback(
+    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
+) -> None:
+    from psrec.train.runtime import RayRuntime
+
+    config = failover_config(synthetic_sources, tmp_path)
+    runtime = RayRuntime(config, base_dir=".", data_sources=synthetic_sources)
+    first_pids = [runtime.failover_reports()[i]["pid"] for i in range(2)]  # type: ignore[index]
+    killer = Killer(runtime, victim=1, after=30, twice=True)
+    run = run_to_the_end(config, runtime, progress=killer)
+    killer.join()
+    assert len(killer.killed) == 2
+    summary = run.summary
+    assert summary["recoveries"] == []  # no rollback: nothing recomputed
+    assert summary["steps"] == undisturbed.summary["steps"] == 60
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 60 * 256
+    survivor, rebuilt = run.reports
+    assert survivor is not None and rebuilt is not None
+    assert survivor["pid"] == first_pids[0] and survivor["recovery"] is None and survivor["restores"] == 0
+    assert rebuilt["pid"] not in killer.killed + first_pids and rebuilt["restores"] == 0
+    assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] in (20, 40)
+    assert_identical_model(run, undisturbed)
