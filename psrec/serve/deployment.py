@@ -49,6 +49,7 @@ class ServeOptions:
     max_request_rows: int = DEFAULT_MAX_ROWS
     follow: str | None = None
     poll_seconds: float = 0.5
+    access_log: bool = False
 
 
 def _rows_of(requests: list[ParsedRequest]) -> int:
@@ -117,7 +118,7 @@ def deployment(options: ServeOptions) -> Any:
         name="ModelServer",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
-        max_ongoing_requests=256,
+        max_ongoing_requests=max(1024, options.max_batch_rows),  # Serve compares it with the batch size
     )
 
 
@@ -131,7 +132,13 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
     cpus = None if address else max(2, int(options.replicas * options.replica_cpus + 0.999))
     start_ray(address, num_cpus=cpus)
     serve.start(http_options={"host": options.host, "port": options.port})
-    serve.run(deployment(options).bind(model_dir, options), name=APPLICATION, route_prefix="/")
+    serve.run(
+        deployment(options).bind(model_dir, options),
+        name=APPLICATION,
+        route_prefix="/",
+        # a log line per request costs the replica and the driver more than scoring a small batch
+        logging_config={"enable_access_log": options.access_log},
+    )
     url = f"http://{options.host}:{options.port}/"
     logger.info("serving %s at %s with %d replica(s)", model_dir, url, options.replicas)
     return url

@@ -1,0 +1,83 @@
+"""The export directory: corrupt or torn exports are refused with the file named, an interrupted
+export leaves nothing behind, exports go to object stores, and SASRec ranks through the export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psrec.serve import model_dir as model_files
+from psrec.serve.export import export_run
+from psrec.serve.model_dir import ExportError, read_model_dir
+from psrec.serve.requests import parse_request
+from psrec.serve.scoring import ServingModel
+
+
+def test_a_corrupt_or_torn_export_is_refused_naming_the_file(
+    deepfm_run: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "model"
+    export_run(deepfm_run["run_dir"], out)
+    table = out / "tables" / "C1.npz"
+    data = bytearray(table.read_bytes())
+    data[-10] ^= 0x01
+    table.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="tables/C1.npz is corrupt"):
+        read_model_dir(out)
+    (out / "manifest.json").unlink()
+    with pytest.raises(ExportError, match="not a psrec export"):
+        read_model_dir(out)
+
+
+def test_an_interrupted_export_leaves_the_previous_one(
+    deepfm_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "model"
+    first = export_run(deepfm_run["run_dir"], out, precision="int8")
+    calls = {"n": 0}
+    original = model_files.files.write_arrays
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError("disk full")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model_files.files, "write_arrays", failing)
+    with pytest.raises(OSError, match="disk full"):
+        export_run(deepfm_run["run_dir"], out, precision="fp32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary directory left
+    assert read_model_dir(out).serving["precision"] == first["precision"] == "int8"
+
+
+def test_export_to_an_object_store(deepfm_run: dict[str, Any], s3_bucket: str) -> None:
+    uri = f"s3://{s3_bucket}/exports/deepfm"
+    info = export_run(deepfm_run["run_dir"], uri, precision="fp16")
+    model = ServingModel.load(uri)
+    assert model.version.label == info["version"]["label"]
+    assert model.precision == "fp16"
+
+
+def test_sasrec_ranks_given_candidates_and_the_whole_catalogue(
+    sasrec_run: dict[str, Any], tmp_path: Path
+) -> None:
+    export_run(sasrec_run["run_dir"], tmp_path / "model")
+    model = ServingModel.load(tmp_path / "model")
+    rows = [{"seq": [3, 6, 9, 12]}, {"seq": "5|8"}]
+    catalogue = model.score_requests([parse_request({"rows": rows, "k": 5}, model.request_spec)])[0]
+    table = model.version.tables["items"]
+    request = parse_request({"rows": rows}, model.request_spec)
+    everything = model.candidate_logits(request.batch, np.stack([table.ids, table.ids]))
+    for row in range(2):
+        best = np.argsort(-everything[row], kind="stable")[:5]
+        assert catalogue["items"][row] == table.ids[best].tolist()
+        np.testing.assert_allclose(catalogue["scores"][row], everything[row][best], rtol=0, atol=1e-5)
+    given = [{**row, "candidates": [7, 1, 15]} for row in rows]
+    answer = model.score_requests([parse_request({"rows": given, "k": 2}, model.request_spec)])[0]
+    for row in range(2):
+        logits = everything[row][np.searchsorted(table.ids, [7, 1, 15])]
+        order = np.argsort(-logits, kind="stable")[:2]
+        assert answer["items"][row] == [[7, 1, 15][i] for i in order]
