@@ -23,7 +23,7 @@ import torch
 from psrec.train.loop import train
 from tests.conftest import small_run_config
 
-ROWS = 24_000
+STEPS = 40  # checkpoints at 0, 20 and 40: a kill after step 25 is rebuilt from step 20's
 
 
 def failover_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> Any:
@@ -32,7 +32,7 @@ def failover_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) ->
         "checkpoint.every_steps": 20,
         "checkpoint.full_every": 2,
         "training.log_every_steps": 5,
-        "training.max_steps": 60,
+        "training.max_steps": STEPS,
         "fault_tolerance.shard_failover": True,
     }
     return small_run_config(sources, run_dir, **(settings | overrides))
@@ -126,26 +126,48 @@ def undisturbed(
     return run_to_the_end(config, RayRuntime(config, base_dir=".", data_sources=synthetic_sources))
 
 
-@pytest.mark.ray
-def test_a_killed_shard_and_its_killed_replacement_cost_no_rollback(
-    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
-) -> None:
+def killed_run(
+    sources: dict[str, Any], run_dir: Path, *, twice: bool, **overrides: Any
+) -> tuple[FinishedRun, Killer, list[int]]:
     from psrec.train.runtime import RayRuntime
 
-    config = failover_config(synthetic_sources, tmp_path)
-    runtime = RayRuntime(config, base_dir=".", data_sources=synthetic_sources)
-    first_pids = [runtime.failover_reports()[i]["pid"] for i in range(2)]  # type: ignore[index]
-    killer = Killer(runtime, victim=1, after=30, twice=True)
+    config = failover_config(sources, run_dir, **overrides)
+    runtime = RayRuntime(config, base_dir=".", data_sources=sources)
+    first_pids = [report["pid"] for report in runtime.failover_reports() if report is not None]
+    killer = Killer(runtime, victim=1, after=25, twice=twice)
     run = run_to_the_end(config, runtime, progress=killer)
     killer.join()
-    assert len(killer.killed) == 2
+    assert len(killer.killed) == (2 if twice else 1)
+    return run, killer, first_pids
+
+
+def assert_failed_over_alone(run: FinishedRun, killer: Killer, first_pids: list[int], steps: int) -> None:
+    """No rollback, every row once, shard 0 the same process never restored, shard 1 rebuilt."""
     summary = run.summary
     assert summary["recoveries"] == []  # no rollback: nothing recomputed
-    assert summary["steps"] == undisturbed.summary["steps"] == 60
-    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == 60 * 256
+    assert summary["steps"] == steps
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == steps * 256
     survivor, rebuilt = run.reports
     assert survivor is not None and rebuilt is not None
     assert survivor["pid"] == first_pids[0] and survivor["recovery"] is None and survivor["restores"] == 0
     assert rebuilt["pid"] not in killer.killed + first_pids and rebuilt["restores"] == 0
-    assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] in (20, 40)
+    assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] == 20
+
+
+@pytest.mark.ray
+def test_a_killed_shard_is_rebuilt_alone_and_the_model_is_the_undisturbed_one(
+    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
+) -> None:
+    run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=False)
+    assert_failed_over_alone(run, killer, first_pids, steps=STEPS)
+    assert_identical_model(run, undisturbed)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_second_kill_while_the_replacement_rebuilds_costs_no_rollback_either(
+    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
+) -> None:
+    run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=True)
+    assert_failed_over_alone(run, killer, first_pids, steps=STEPS)
     assert_identical_model(run, undisturbed)
