@@ -6,7 +6,7 @@ Modules, by concept: ``specs`` (configuration records), ``hashing`` (mixing func
 sparse updates), ``precision`` (fp32/fp16/int8 row storage), ``admission``, ``eviction``, ``state``
 (exported arrays), ``table`` (``EmbeddingTable``), ``tiered_table`` (``TieredTable``: hot rows in
 memory, cold rows on disk), ``disk_tier`` (the slab file of cold rows), ``tier_policy`` (which rows
-go to disk), ``arrays`` (in-place growth), ``prefetch`` (the
+go to disk), ``sizes`` (bytes per row, memory budgets), ``arrays`` (in-place growth), ``prefetch`` (the
 software-prefetch intrinsic), ``reference`` (plain NumPy oracles for tests), ``warmup`` (compile
 the numba kernels once per process).
 
@@ -19,6 +19,7 @@ the numba kernels once per process).
 """
 
 from psrec.embedding.hash_index import HashIndex
+from psrec.embedding.sizes import planned_bytes_per_row
 from psrec.embedding.specs import (
     AdmissionSpec,
     EvictionSpec,
@@ -28,7 +29,7 @@ from psrec.embedding.specs import (
     TableSpec,
 )
 from psrec.embedding.state import TableDelta, TableState
-from psrec.embedding.table import EmbeddingTable, planned_bytes_per_row
+from psrec.embedding.table import EmbeddingTable
 from psrec.embedding.tiered_table import TieredTable, build_table
 from psrec.embedding.warmup import warmup
 

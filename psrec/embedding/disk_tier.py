@@ -8,7 +8,8 @@ checksum of the rest. ``RecordLayout`` describes the fields; ``DiskTier`` keeps
   read and written a batch at a time (one fancy-indexed gather or scatter of the batch's records,
   never one read per id);
 - in memory, per cold row: its slot (a ``HashIndex`` id -> slot, free slots reused), its count and
-  last step (so eviction, deltas and the demotion policy never read the disk), about 22 bytes a row.
+  last step (so eviction, deltas and the demotion policy never read the disk), about 24 bytes a
+  row (``sizes.DISK_INDEX_BYTES_PER_ROW``).
 
 Why a slab and not LMDB or RocksDB: ``benchmarks/disk_store_choice.py`` (docs/benchmarks.md,
 "Disk tier") reads 100k random rows 18x faster and writes demotions 1.2-1.9x faster than either.
@@ -34,6 +35,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from psrec.embedding.arrays import grow_rows
 from psrec.embedding.hash_index import HashIndex
 from psrec.embedding.hashing import GOLDEN_GAMMA, mix64
 from psrec.embedding.optimizers import STATE_LAYOUT
@@ -233,10 +235,7 @@ class DiskTier:
         if not inserted.all():
             raise RuntimeError(f"table {self.table!r}: ids written to the disk tier twice")
         self._grow(self._index.row_capacity)
-        if self._metadata.shape[0] < self._capacity:
-            metadata = np.zeros((self._capacity, 2), dtype=np.uint32)
-            metadata[: self._metadata.shape[0]] = self._metadata
-            self._metadata = metadata
+        self._metadata = grow_rows(self._metadata, self._index.row_capacity)
         order = np.argsort(slots, kind="stable")  # ascending file offsets
         self._slab[slots[order]] = records[order]
         self._metadata[slots, 0] = values["counts"]

@@ -35,14 +35,7 @@ from psrec.allocator import populate
 from psrec.embedding.admission import Admission
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.eviction import rows_to_evict
-from psrec.embedding.hash_index import (
-    INDEX_GROWTH,
-    INDEX_SLOT_BYTES,
-    MAX_LOAD,
-    ROW_GROWTH,
-    HashIndex,
-    ids_digest,
-)
+from psrec.embedding.hash_index import HashIndex, ids_digest
 from psrec.embedding.initializers import initial_rows, write_initial_rows
 from psrec.embedding.optimizers import STATE_LAYOUT, SparseOptimizer, aggregate_gradients
 from psrec.embedding.precision import RowStorage
@@ -63,30 +56,17 @@ MAX_STEP = 2**32 - 1
 PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 
 
-def planned_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> dict[str, float]:
-    """Bytes one row costs at scale, for capacity planning: payload and optimizer state (exact, per
-    row) and the overhead (index slots + stored id + count + last step) at the best and worst point
-    of the growth cycle, reserved-but-unused capacity included."""
-    payload = {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + 8}[precision]
-    state = sum(
-        (dim if kind == "element" else 1) * np.dtype(dtype).itemsize
-        for _, kind, dtype in STATE_LAYOUT[optimizer]
-    )
-    per_row = 8 + 8  # stored id + [count, last step]
-    return {
-        "payload": float(payload),
-        "optimizer": float(state),
-        "overhead_best": INDEX_SLOT_BYTES / MAX_LOAD + per_row,
-        "overhead_worst": INDEX_SLOT_BYTES * INDEX_GROWTH / MAX_LOAD + per_row * ROW_GROWTH,
-    }
-
-
 class EmbeddingTable:
     """One embedding table (or one shard's partition of it); see the module docstring."""
 
     @classmethod
     def from_spec(cls, spec: TableSpec) -> EmbeddingTable:
-        """The table `spec` describes (what a shard process builds from the specs it is given)."""
+        """The table `spec` describes (what a shard process builds from the specs it is given): a
+        `TieredTable` when the spec has a storage tier."""
+        if spec.storage is not None:
+            from psrec.embedding.tiered_table import build_table  # the subclass: built on this module
+
+            return build_table(spec)
         return cls(
             spec.name,
             spec.dim,

@@ -5,11 +5,11 @@ optimizer state, ``[count, last step]``); the disk tier (``DiskTier``) holds eve
 bytes as stored, so a row reads back bit for bit after any number of trips. A training pull first
 looks its ids up in memory; the ids that miss are looked up on disk together and their rows
 promoted (read in one batch, inserted into memory); only ids in neither tier go to admission and
-get initial rows. When the memory tier then holds more than ``memory_rows``, the coldest rows not in
-the batch (``tier_policy``, LFU by default) are demoted in one batch down to
-``memory_rows * (1 - DEMOTION_SLACK)``, so the scan for victims runs once per several steps. A batch
-with more distinct ids than ``memory_rows`` is held whole until its push: the memory tier holds at
-most ``max(memory_rows, one batch's rows)``.
+get initial rows. Room is made first: when the rows that may arrive would take the memory tier past
+``memory_rows``, the coldest rows not in the batch (``tier_policy``, LFU by default) are demoted in
+one batch, down to ``memory_rows * (1 - DEMOTION_SLACK)`` less the arrivals, so the scan for victims
+runs once per several steps. A batch with more distinct ids than ``memory_rows`` is held whole until
+its push: the memory tier holds at most ``max(memory_rows, one batch's rows)``.
 
     table = TieredTable("items", 64, optimizer=SparseOptimizerSpec("adagrad", lr=0.05),
                         memory_rows=1_000_000, disk_dir="/mnt/ssd/psrec")
@@ -183,11 +183,12 @@ class TieredTable(EmbeddingTable):
         self._index.remove(record["ids"])
         self.demotions += int(rows.shape[0])
 
-    def _enforce_budget(self, protected: np.ndarray | None = None) -> None:
-        """Demote the coldest unprotected rows once memory holds more than ``memory_rows``."""
-        if self._index.num_rows <= self.memory_rows:
+    def _enforce_budget(self, protected: np.ndarray | None = None, incoming: int = 0) -> None:
+        """Demote the coldest unprotected rows when memory would hold more than ``memory_rows`` once
+        `incoming` more rows arrive."""
+        if self._index.num_rows + incoming <= self.memory_rows:
             return
-        target = int(self.memory_rows * (1 - DEMOTION_SLACK))
+        target = max(int(self.memory_rows * (1 - DEMOTION_SLACK)) - incoming, 0)
         rows = self._index.live_rows(sort=False)
         if protected is not None and protected.shape[0]:
             mask = np.zeros(self._index.row_capacity, dtype=np.bool_)
@@ -223,10 +224,13 @@ class TieredTable(EmbeddingTable):
             self.hits += ids.shape[0] - missing
         if missing and not train:
             return self._evaluation_rows(ids, rows, out)
-        if missing and self._cold.num_rows and self._promote(np.unique(ids[rows < 0])):
-            positions = np.flatnonzero(rows < 0)
-            rows[positions], _ = self._index.lookup(ids[positions])
-            missing = int(np.count_nonzero(rows < 0))
+        if missing:  # room first, for every id that may arrive (promoted or new)
+            arriving = np.unique(ids[rows < 0])
+            self._enforce_budget(protected=rows[rows >= 0], incoming=arriving.shape[0])
+            if self._cold.num_rows and self._promote(arriving):
+                positions = np.flatnonzero(rows < 0)
+                rows[positions], _ = self._index.lookup(ids[positions])
+                missing = int(np.count_nonzero(rows < 0))
         if missing:
             missing_positions = np.flatnonzero(rows < 0)
             admitted = self._admission.admit(ids[missing_positions])
@@ -234,7 +238,8 @@ class TieredTable(EmbeddingTable):
                 admitted_positions = missing_positions[admitted]
                 rows[admitted_positions] = self._insert(ids[admitted_positions])
                 missing = int(np.count_nonzero(rows < 0))
-        self._enforce_budget(protected=rows[rows >= 0])
+        if self._index.num_rows > self.memory_rows:  # after a batch larger than the budget
+            self._enforce_budget(protected=rows[rows >= 0])
         if not missing:
             self._last_pull = (ids, rows, ids_digest(ids))
             return self._storage.gather(rows, out)
@@ -278,7 +283,9 @@ class TieredTable(EmbeddingTable):
         if self._cold.num_rows and not self._is_last_pull(ids):
             rows, missing = self._index.lookup(ids)
             if missing:
-                self._promote(np.unique(ids[rows < 0]))
+                arriving = np.unique(ids[rows < 0])
+                self._enforce_budget(protected=rows[rows >= 0], incoming=arriving.shape[0])
+                self._promote(arriving)
         super().push(ids, grads, step=step)
         self._enforce_budget()
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from psrec.embedding import EmbeddingTable, TableDelta, TableState
+from psrec.embedding import EmbeddingTable, TableDelta, TableState, TieredTable
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,14 @@ class ParameterShard:
         return out
 
     def stats(self) -> dict[str, dict[str, int]]:
-        return {name: {"rows": table.num_rows, **table.memory_bytes()} for name, table in self.tables.items()}
+        """Per table: rows, bytes in memory and, for a table with a disk tier, rows and bytes per tier
+        and the traffic between them (`TieredTable.tier_stats`). Counts only: they sum over shards."""
+        stats = {}
+        for name, table in self.tables.items():
+            stats[name] = {"rows": table.num_rows, **table.memory_bytes()}
+            if isinstance(table, TieredTable):
+                stats[name].update(table.tier_stats())
+        return stats
 
     def _table(self, name: str) -> EmbeddingTable:
         try:

@@ -6,20 +6,24 @@ models, so every other module takes plain arguments.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from psrec.config import InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
+from psrec.config import ConfigError, InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
 from psrec.embedding import (
     AdmissionSpec,
     EmbeddingTable,
     EvictionSpec,
     InitializerSpec,
     SparseOptimizerSpec,
+    StorageSpec,
     TableSpec,
 )
+from psrec.embedding.disk_tier import DiskTierError, check_disk_dir
+from psrec.embedding.sizes import disk_bytes_per_row, memory_rows_for_budget
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
@@ -34,6 +38,7 @@ def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
 
 
 def build_table_spec(name: str, config: TableConfig, *, seed: int, initial_rows: int = 0) -> TableSpec:
+    """`name`'s spec on one shard; `initial_rows` is the shard's share of ``expected_rows``."""
     return TableSpec(
         name,
         config.dim,
@@ -46,7 +51,43 @@ def build_table_spec(name: str, config: TableConfig, *, seed: int, initial_rows:
         seed=seed,
         initial_rows=initial_rows,
         populate=config.populate,
+        storage=storage_spec(name, config, shard_rows=initial_rows),
     )
+
+
+def storage_spec(name: str, config: TableConfig, *, shard_rows: int) -> StorageSpec | None:
+    """A shard's disk tier of table `name`: ``memory_rows`` as given, or as many rows as fit
+    ``memory_gb`` with the disk tier's index of the shard's other rows (`shard_rows` expected in
+    all). The directory is checked here, before training: it must exist, be writable and have room
+    for the rows expected on disk; otherwise a ConfigError names it."""
+    storage = config.storage
+    if storage is None:
+        return None
+    where = f"embedding table {name!r} storage"
+    dim, precision, optimizer = config.dim, config.precision, config.optimizer.name
+    if storage.memory_rows is not None:
+        memory_rows = storage.memory_rows
+    else:
+        try:
+            memory_rows = memory_rows_for_budget(
+                float(storage.memory_gb or 0) * 2**30,
+                dim=dim,
+                precision=precision,
+                optimizer=optimizer,
+                expected_rows=shard_rows,
+            )
+        except ValueError as error:
+            raise ConfigError(f"{where}: memory_gb {storage.memory_gb}: {error}") from None
+    disk_rows = max(shard_rows - memory_rows, 0)
+    try:
+        directory = check_disk_dir(
+            storage.disk_dir,
+            table=name,
+            needed_bytes=disk_rows * disk_bytes_per_row(dim, precision=precision, optimizer=optimizer),
+        )
+    except DiskTierError as error:
+        raise ConfigError(str(error)) from None
+    return StorageSpec(memory_rows=memory_rows, disk_dir=os.path.abspath(directory))
 
 
 def uses_linear_terms(config: RunConfig) -> bool:

@@ -16,6 +16,8 @@ from psrec.embedding import (
     TieredTable,
     build_table,
 )
+from psrec.embedding.disk_tier import RecordLayout
+from psrec.embedding.sizes import disk_bytes_per_row, memory_rows_for_budget
 from psrec.embedding.state import TableDelta, TableState
 
 OPTIMIZERS = {
@@ -227,3 +229,32 @@ def test_stats_count_the_traffic(tmp_path):
     assert stats["disk_bytes_written"] == stats["demotions"] * record
     assert stats["disk_bytes_read"] >= stats["promotions"] * record
     assert tiered.memory_bytes()["disk_index"] > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_disk_record_size_is_planned(precision, optimizer):
+    layout = RecordLayout(DIM, precision=precision, optimizer=optimizer)
+    assert disk_bytes_per_row(DIM, precision=precision, optimizer=optimizer) == layout.record_bytes
+
+
+def test_memory_budget_holds_both_indexes(tmp_path):
+    """memory_rows_for_budget leaves room for the disk tier's index: a table filled to the expected
+    rows stays within the budget (measured by the table's own byte count)."""
+    budget, expected = 1_000_000, 20_000
+    memory_rows = memory_rows_for_budget(
+        budget, dim=DIM, precision="fp32", optimizer="adagrad", expected_rows=expected
+    )
+    assert 0 < memory_rows < expected
+    table = TieredTable(
+        "t", DIM, memory_rows=memory_rows, disk_dir=str(tmp_path), optimizer=OPTIMIZERS["adagrad"]
+    )
+    ids = np.arange(expected, dtype=np.int64)
+    for start in range(0, expected, 1000):
+        chunk = ids[start : start + 1000]
+        table.pull(chunk)
+        table.push(chunk, np.ones((chunk.shape[0], DIM), dtype=np.float32), step=1 + start // 1000)
+    assert table.num_rows == expected and table.memory_tier_rows <= memory_rows
+    assert table.memory_bytes()["total"] - table.memory_bytes()["admission"] <= budget
+    with pytest.raises(ValueError, match="cannot hold the disk tier's index of 100000000 rows"):
+        memory_rows_for_budget(budget, dim=DIM, precision="fp32", optimizer="sgd", expected_rows=10**8)
