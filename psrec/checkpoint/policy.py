@@ -207,14 +207,21 @@ class RestartDecision:
 
 
 def choose_restart(
-    *, actor_failure: bool, dead_actors: Sequence[str], restarts: int, max_restarts: int
+    *,
+    actor_failure: bool,
+    dead_actors: Sequence[str],
+    restarts: int,
+    max_restarts: int,
+    failovers: int = 0,
 ) -> RestartDecision:
     """Recover from a failure only when a process died, at most ``max_restarts`` times in a run.
 
     ``actor_failure``: the error came from the actor system (the caller's test, e.g. Ray's
     ``RayError``), not from code raising inside a live process; ``dead_actors``: names of the
-    processes that no longer answer; ``restarts``: recoveries so far. An exception raised inside a
-    live process (a bug or bad data) is re-raised: replaying the steps would fail the same way.
+    processes that no longer answer; ``restarts``: recoveries (rollbacks) so far; ``failovers``:
+    shards rebuilt alone from their logs so far (`psrec.train.failover`), which spend the same
+    budget. An exception raised inside a live process (a bug or bad data) is re-raised: replaying
+    the steps would fail the same way.
     """
     if not actor_failure:
         return RestartDecision(
@@ -222,14 +229,17 @@ def choose_restart(
         )
     if not dead_actors:
         return RestartDecision(False, "no actor died", "an actor call failed, but every actor still answers")
-    if restarts >= max_restarts:
+    spent = restarts + failovers
+    rebuilt = f" and {failovers} shard failovers" if failovers else ""
+    if spent >= max_restarts:
         return RestartDecision(
             False,
             "max restarts reached",
-            f"giving up after {restarts} restarts (fault_tolerance.max_restarts)",
+            f"giving up after {restarts} restarts{rebuilt} (fault_tolerance.max_restarts)",
         )
     return RestartDecision(
         True,
         "actor died",
-        f"dead: {', '.join(dead_actors)}; restart {restarts + 1} of at most {max_restarts}",
+        f"dead: {', '.join(dead_actors)}; restart {spent + 1} of at most {max_restarts}"
+        + (f" (after {failovers} shard failovers)" if failovers else ""),
     )

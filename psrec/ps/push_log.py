@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +183,7 @@ class PushLog:
         self.fsync = fsync
         self.records_written = 0
         self.bytes_written = 0
+        self.seconds_writing = 0.0  # encoding, checksums and writes of `append`
         self._fd: int | None = None
         self._number = -1
 
@@ -226,6 +228,7 @@ class PushLog:
         (and against a lost machine with ``fsync``)."""
         if self._fd is None:
             raise PushLogError(f"{self.directory}: append before a segment was started")
+        start = time.perf_counter()
         buffers = encode_record(LogRecord(op, meta, arrays or {}))
         size = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
         written = os.writev(self._fd, buffers)
@@ -235,6 +238,7 @@ class PushLog:
             os.fsync(self._fd)
         self.records_written += 1
         self.bytes_written += size
+        self.seconds_writing += time.perf_counter() - start
         return size
 
     def retract(self, size: int) -> None:

@@ -42,6 +42,17 @@ logger = logging.getLogger(__name__)
 
 RECOVERING_FILE = "recovering.json"
 FRESH_FILE = "fresh"
+RECOVERIES_FILE = "recoveries.jsonl"  # one line per rebuild of the shard: its recovery report
+
+
+def recoveries(directory: Path) -> list[dict[str, Any]]:
+    """Every rebuild of the shard whose log is `directory`, oldest first (`LoggedShard.recovery`)."""
+    path = directory / RECOVERIES_FILE
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
 
 # ParameterShard maintenance calls that change the tables (logged); the others only read.
 LOGGED_CALLS = frozenset(
@@ -100,6 +111,7 @@ class LoggedShard:
         self.last_pull: dict[str, int] = {}  # caller -> sequence number of its last training pull
         self.restores = 0  # restores the driver asked for (a rollback or a resume)
         self.recovery: dict[str, Any] | None = None  # how this process rebuilt the shard, if it did
+        self._restored = 0.0  # when the checkpoint chain was loaded, during a recovery
 
     # -- opening: fresh or recovered --------------------------------------------------------------
     @classmethod
@@ -130,6 +142,7 @@ class LoggedShard:
         logged.recovery = {
             "pid": os.getpid(),
             "started": started,
+            "restored": logged._restored,
             "ready": time.time(),
             "segment": segment.path.name,
             "base": segment.base.meta.get("kind"),
@@ -139,6 +152,8 @@ class LoggedShard:
             "log_bytes": segment.valid_bytes,
             "torn_record_dropped": segment.torn is not None,
         }
+        with open(directory / RECOVERIES_FILE, "a", encoding="utf-8") as history:
+            history.write(json.dumps(logged.recovery) + "\n")
         logger.warning("shard %d rebuilt from its log: %s", shard.shard_index, logged.recovery)
         return logged
 
@@ -156,6 +171,7 @@ class LoggedShard:
                 self.shard.needs_full_checkpoint = True
         elif base["kind"] != "fresh":
             raise PushLogError(f"{segment.path}: unknown base {base['kind']!r}")
+        self._restored = time.time()
         for record in segment.records:
             self._apply(record)
 
@@ -257,6 +273,7 @@ class LoggedShard:
             "pid": os.getpid(),
             "records_written": self.log.records_written,
             "bytes_written": self.log.bytes_written,
+            "seconds_writing": self.log.seconds_writing,
             "segment": self.log.segment_number,
             "restores": self.restores,
             "recovery": self.recovery,

@@ -37,7 +37,7 @@ from psrec import checkpoint, storage
 from psrec.checkpoint import CheckpointRef
 from psrec.checkpoint.policy import checkpoint_chain
 from psrec.config import ConfigError, RunConfig
-from psrec.ps.replay import prepare_fresh
+from psrec.ps.replay import RECOVERIES_FILE, prepare_fresh, recoveries
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +92,22 @@ class ShardFailover:
         return {"push_log": str(self.shard_directory(index)), "push_log_fsync": self.fsync}
 
     def forget(self, index: int) -> None:
-        """Drop shard `index`'s log before the runtime replaces it and restores it from a checkpoint."""
-        shutil.rmtree(self.shard_directory(index), ignore_errors=True)
+        """Drop shard `index`'s log before the runtime replaces it and restores it from a checkpoint
+        (its history of rebuilds stays)."""
+        directory = self.shard_directory(index)
+        if directory.is_dir():
+            for path in directory.iterdir():
+                if path.name != RECOVERIES_FILE:
+                    path.unlink(missing_ok=True)
+
+    def failovers(self, num_shards: int) -> list[dict[str, Any]]:
+        """Every shard rebuilt alone so far, oldest first: its index and recovery report."""
+        found = [
+            {"shard": index, **report}
+            for index in range(num_shards)
+            for report in recoveries(self.shard_directory(index))
+        ]
+        return sorted(found, key=lambda report: report["started"])
 
     def committed(self, shards: list[Any], ref: CheckpointRef) -> None:
         """`ref` is committed and every shard's state is in it: their logs start again from it."""

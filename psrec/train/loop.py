@@ -278,6 +278,7 @@ class Driver:
             dead_actors=dead,
             restarts=restarts,
             max_restarts=self.config.fault_tolerance.max_restarts,
+            failovers=len(self.runtime.failovers()),
         )
         if decision.reason == "max restarts reached":
             logger.error("%s", decision.detail)
@@ -552,6 +553,7 @@ class Driver:
             "input": {**state.input_counts, "failed_units": state.failed_units},
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
+            "failovers": self.runtime.failovers(),
             "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
             "placement": self.runtime.placement,

@@ -74,6 +74,10 @@ class Runtime(Protocol):
         """Replace dead processes and roll back to `chain` (None: started over, nothing committed)."""
         ...
 
+    def failovers(self) -> list[dict[str, Any]]:
+        """Shards rebuilt alone from their logs so far (no rollback), with how long it took."""
+        ...
+
     def shutdown(self) -> None: ...
 
     placement: dict[str, Any]
@@ -262,6 +266,9 @@ class LocalRuntime(RuntimeBase):
     def recover(self, chain: list[CheckpointRef]) -> dict[str, Any] | None:
         raise RuntimeError("the in-process runtime has no processes to replace")
 
+    def failovers(self) -> list[dict[str, Any]]:
+        return []
+
     def shutdown(self) -> None:
         self.trainer.shutdown()
 
@@ -397,6 +404,9 @@ class RayRuntime(RuntimeBase):
     def _checkpoint_committed(self, ref: CheckpointRef) -> None:
         if self._failover is not None:
             self._failover.committed(self.shards, ref)
+
+    def failovers(self) -> list[dict[str, Any]]:
+        return self._failover.failovers(len(self.shards)) if self._failover is not None else []
 
     def failover_reports(self) -> list[dict[str, Any] | None]:
         """Each shard's log report: records and bytes logged, restores, how it was rebuilt (or None)."""

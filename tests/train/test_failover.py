@@ -152,6 +152,8 @@ def assert_failed_over_alone(run: FinishedRun, killer: Killer, first_pids: list[
     assert survivor["pid"] == first_pids[0] and survivor["recovery"] is None and survivor["restores"] == 0
     assert rebuilt["pid"] not in killer.killed + first_pids and rebuilt["restores"] == 0
     assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] == 20
+    # the one rebuild that finished (a replacement killed while rebuilding never reports)
+    assert [failover["shard"] for failover in summary["failovers"]] == [1]
 
 
 @pytest.mark.ray
