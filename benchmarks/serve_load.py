@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's --batch-wait-ms")
+    parser.add_argument("--save-rows", help="also write the request rows here (JSON, for --rows)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
 
@@ -143,7 +145,11 @@ def main() -> None:
     size = args.rows_per_request
     bodies = [json.dumps({"rows": rows[i : i + size]}).encode() for i in range(0, len(rows) - size + 1, size)]
     port = free_port()
-    start_serving(str(model_dir), ServeOptions(port=port, replicas=args.replicas))
+    if args.save_rows:
+        Path(args.save_rows).write_text(json.dumps(rows))
+    options = ServeOptions(port=port, replicas=args.replicas, batch_wait_seconds=args.batch_wait_ms / 1000)
+    report["batch_wait_ms"] = args.batch_wait_ms
+    start_serving(str(model_dir), options)
     try:
         run_round(port, bodies[:4], clients=1, requests=20, seconds=10)  # warm up
         results: dict[int, list[dict[str, float]]] = {clients: [] for clients in CLIENTS}
