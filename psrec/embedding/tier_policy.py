@@ -7,7 +7,7 @@ needs no state of its own:
 - ``lfu`` (the default): the fewest updates first (ties: the oldest last step, then the lowest id);
 - ``lru``: the oldest last step first (ties: the fewest updates, then the lowest id);
 - ``lfu_aging``: frequency with aging, ``count * 2 ** (-(clock - last_step) / half_life)`` lowest
-  first, so rows popular long ago cool down.
+  first (``half_life`` in steps), so rows popular long ago cool down.
 
 ``benchmarks/disk_tier_bench.py --policies`` measures their hit rates on Zipf traffic
 (docs/disk_tier.md): on stationary Zipf(1.1) ids, LFU keeps the most hits; aging is a little below it,
@@ -30,8 +30,10 @@ def coldest(
     counts: np.ndarray,
     last_step: np.ndarray,
     clock: int,
+    half_life: float = AGING_HALF_LIFE_STEPS,
 ) -> np.ndarray:
-    """Positions (into the aligned arrays) of the `count` coldest rows under `policy`."""
+    """Positions (into the aligned arrays) of the `count` coldest rows under `policy` (`half_life`:
+    steps, for ``lfu_aging``)."""
     if policy not in POLICIES:
         raise ValueError(f"demotion policy must be one of {POLICIES}, got {policy!r}")
     total = ids.shape[0]
@@ -48,7 +50,7 @@ def coldest(
         key = (steps64 << np.uint64(32)) | counts64
     else:
         age = (np.int64(clock) - last_step.astype(np.int64)).clip(0)
-        key = counts.astype(np.float64) * np.exp2(-age / AGING_HALF_LIFE_STEPS)
+        key = counts.astype(np.float64) * np.exp2(-age / half_life)
     chosen = np.argpartition(key, count - 1)[:count]
     # rows tied with the last one chosen: settle by id so the choice does not depend on row order
     boundary = key[chosen].max()

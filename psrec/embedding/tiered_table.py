@@ -38,7 +38,7 @@ from psrec.embedding.hash_index import ids_digest
 from psrec.embedding.specs import TableSpec
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable
-from psrec.embedding.tier_policy import POLICIES, coldest
+from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, coldest
 
 DEMOTION_SLACK = 0.05
 OPTIMIZER_PREFIX = "optimizer_state/"
@@ -119,6 +119,7 @@ class TieredTable(EmbeddingTable):
         memory_rows: int,
         disk_dir: str | os.PathLike[str],
         policy: str = "lfu",
+        half_life_steps: float = AGING_HALF_LIFE_STEPS,
         **table_arguments: Any,
     ) -> None:
         super().__init__(name, dim, **table_arguments)
@@ -135,6 +136,9 @@ class TieredTable(EmbeddingTable):
             )
         self.memory_rows = int(memory_rows)
         self.policy = policy
+        if not half_life_steps > 0:
+            raise ValueError(self._message(f"half_life_steps must be > 0, got {half_life_steps!r}"))
+        self.half_life_steps = float(half_life_steps)
         layout = RecordLayout(self.dim, precision=self.precision, optimizer=self.optimizer.name)
         self._cold = DiskTier(disk_dir, layout, table=name)
         self.hits = 0  # pulled ids found in memory
@@ -202,6 +206,7 @@ class TieredTable(EmbeddingTable):
             counts=self._counts[rows],
             last_step=self._last_step[rows],
             clock=self._clock,
+            half_life=self.half_life_steps,
         )
         if victims.shape[0]:
             self._demote(rows[victims])
@@ -375,7 +380,7 @@ class TieredTable(EmbeddingTable):
             target = int(self.memory_rows * (1 - DEMOTION_SLACK))
             clock = int(state.config.get("clock", 0))
             cold[coldest(self.policy, count - target, ids=state.ids, counts=state.counts,
-                         last_step=state.last_step, clock=clock)] = True  # fmt: skip
+                         last_step=state.last_step, clock=clock, half_life=self.half_life_steps)] = True  # fmt: skip
         hot = _subset(rows, ~cold)
         self._cold.clear()
         super().import_state(TableState(config=state.config, admission_sketch=state.admission_sketch, **hot))

@@ -3,6 +3,7 @@
     psrec plan examples/plan_criteo_terabyte.yaml                       # 8 x 80 GB: a placement
     psrec plan examples/plan_criteo_terabyte.yaml --devices 2 --memory-gb 16   # refused, with why
     psrec plan SPEC --strategy ps --json
+    psrec plan examples/plan_criteo_terabyte.yaml --devices 2 --memory-gb 16 --disk-tier  # rows on disk
 
 Exit status 0 with a plan, 2 when the plan file is invalid or the tables do not fit.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -30,13 +32,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--memory-gb", type=float, help="override devices.memory_gb")
     parser.add_argument("--strategy", choices=["ps", "collective"], help="override strategy")
     parser.add_argument("--sharding", choices=["table_wise", "row_wise", "auto"], help="override sharding")
+    parser.add_argument(
+        "--disk-tier",
+        action="store_true",
+        help="keep in memory what fits, the rest on disk (disk_tier: true)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from psrec.parallel.plan_spec import PlanSpecError, load_plan_spec
-    from psrec.parallel.planner import PlanDoesNotFit, plan_sharding
+    from psrec.parallel.planner import PlanDoesNotFit, plan_disk_tier, plan_sharding
 
     overrides: dict[str, Any] = {}
     for key, value in (
@@ -50,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_plan_spec(args.spec, overrides=overrides)
         inputs = spec.inputs()
+        if spec.disk_tier or args.disk_tier:
+            inputs["tables"] = plan_disk_tier(
+                inputs["tables"], inputs["devices"], num_buckets=inputs["num_buckets"]
+            )
         plan = plan_sharding(**inputs)
     except (PlanSpecError, ValueError) as error:
         prefix = "refused" if isinstance(error, PlanDoesNotFit) else "error"
@@ -79,10 +90,13 @@ def format_plan(plan: ShardingPlan, tables: list[TableSize]) -> str:
         "",
         f"{'device':>8} {'tables':>11} {'used':>6} {'sent/step':>13} {'received/step':>13}",
     ]
+    disk = plan.disk_bytes if any(plan.disk_bytes) else ()
+    if disk:
+        lines[-1] += f" {'on disk':>11}"
     for device, (memory, traffic) in enumerate(zip(plan.memory_bytes, plan.traffic, strict=True)):
         lines.append(
             f"{device:>8} {_gb(memory)} {memory / plan.usable_bytes:6.1%} {_mb(traffic.sent_bytes)} "
-            f"{_mb(traffic.received_bytes)}"
+            f"{_mb(traffic.received_bytes)}" + (f" {_gb(disk[device])}" if disk else "")
         )
     if plan.trainer_traffic is not None:
         t = plan.trainer_traffic
@@ -96,11 +110,19 @@ def format_plan(plan: ShardingPlan, tables: list[TableSize]) -> str:
             if placement.owner is not None
             else f"row-wise over {plan.num_devices} devices by bucket"
         )
+        if size.hot_rows < size.rows:
+            per_device = size.hot_rows if placement.owner is not None else size.hot_rows / plan.num_devices
+            where += (
+                f"; {size.hot_rows:,} rows in memory (storage.memory_rows: {math.ceil(per_device):,} per "
+                f"device), {_gb(size.disk_bytes).strip()} on disk"
+            )
         lines.append(f"{placement.table:<16} {size.rows:>14,} {size.dim:>5} {_gb(size.bytes)}  {where}")
     total = sum(plan.memory_bytes)
     lines += [
         "",
-        f"total {total / GB:.2f} GB of tables; most loaded device {max(plan.memory_bytes) / GB:.2f} GB",
+        f"total {total / GB:.2f} GB of tables in memory; most loaded device {max(plan.memory_bytes) / GB:.2f} GB",
     ]
+    if disk:
+        lines.append(f"on disk {sum(disk) / GB:.2f} GB; most loaded device {max(disk) / GB:.2f} GB")
     lines += [f"note: {note}" for note in plan.notes]
     return "\n".join(lines)

@@ -6,7 +6,8 @@ devices have, so the planner reads its own small YAML file (``examples/plan_crit
     strategy: collective          # ps | collective
     sharding: auto                # table_wise | row_wise | auto (collective only)
     num_buckets: 1024
-    devices: {count: 8, memory_gb: 80, headroom: 0.1}
+    devices: {count: 8, memory_gb: 80, headroom: 0.1}   # disk_gb: the disk tier's room per device
+    disk_tier: false              # true: keep in memory what fits, the rest of every table on disk
     workload: {batch_size: 8192, dense_parameters: 0}   # per trainer and step
     table_defaults: {dim: 128, precision: fp32, optimizer: rowwise_adagrad, ids_per_sample: 1}
     tables:
@@ -46,12 +47,14 @@ class TableEntry(_Strict):
     precision: Literal["fp32", "fp16", "int8"] | None = None
     optimizer: Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"] | None = None
     ids_per_sample: float | None = Field(None, ge=0)
+    memory_rows: int | None = Field(None, ge=0, description="with a disk tier: rows kept in memory in all")
 
 
 class DevicesEntry(_Strict):
     count: int = Field(ge=1)
     memory_gb: float = Field(gt=0, description="per device, in 10^9 bytes")
     headroom: float = Field(0.1, ge=0, lt=1)
+    disk_gb: float | None = Field(None, gt=0, description="per device, for the disk tier, in 10^9 bytes")
 
 
 class WorkloadEntry(_Strict):
@@ -68,6 +71,9 @@ class PlanSpec(_Strict):
     workload: WorkloadEntry = WorkloadEntry()
     table_defaults: TableDefaults = TableDefaults()
     tables: dict[str, TableEntry] = Field(min_length=1)
+    disk_tier: bool = Field(
+        False, description="plan memory_rows per table: what fits in memory, the rest on disk"
+    )
 
     @field_validator("tables", mode="before")
     @classmethod
@@ -88,6 +94,7 @@ class PlanSpec(_Strict):
                 precision=entry.precision or d.precision,
                 optimizer=entry.optimizer or d.optimizer,
                 ids_per_sample=d.ids_per_sample if entry.ids_per_sample is None else entry.ids_per_sample,
+                memory_rows=entry.memory_rows,
             )
             for name, entry in self.tables.items()
         ]
@@ -97,7 +104,10 @@ class PlanSpec(_Strict):
         return {
             "tables": self.table_sizes(),
             "devices": Devices(
-                self.devices.count, int(self.devices.memory_gb * GB), headroom=self.devices.headroom
+                self.devices.count,
+                int(self.devices.memory_gb * GB),
+                headroom=self.devices.headroom,
+                disk_bytes=None if self.devices.disk_gb is None else int(self.devices.disk_gb * GB),
             ),
             "strategy": self.strategy,
             "sharding": self.sharding,

@@ -30,6 +30,13 @@ the hash index holds 5 bytes per slot at a load of at least 0.64, so
 e.g. dim 128 fp32 with row-wise Adagrad: 1.125 * (512 + 4 + 16) + 7.8 = 606 bytes. Row-wise shares
 assume ids spread evenly over buckets (the splitmix64 bucket hash makes them so).
 
+Disk tier (``TableSize.memory_rows``, docs/disk_tier.md): a table keeps that many rows in memory
+(all devices together) at the cost above; each other row costs ``DISK_INDEX_BYTES_PER_ROW`` (24) in
+memory, for the disk tier's index, and its record (``disk_bytes_per_row``: payload, optimizer state,
+metadata and checksum) on the device's disk, checked against ``Devices.disk_bytes`` when given.
+`plan_disk_tier` chooses ``memory_rows`` for every table so that the tables fit the devices' memory
+(for row-wise tables): the smallest tables whole, the same fraction of each larger one, as much as fits.
+
 Communication model, per device and step, upper bound (ids are counted before deduplication and
 travel as int64, rows and gradients as float32): a trainer with local batch ``b`` sends
 ``n = min(b * ids_per_sample, rows)`` ids of a table; a share of them is remote (all of them to the
@@ -41,12 +48,13 @@ mirror image. Dense gradients add a ring allreduce, ``2 (W - 1) / W * 4 * dense_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
 
 from psrec.embedding.optimizers import STATE_LAYOUT
+from psrec.embedding.sizes import DISK_INDEX_BYTES_PER_ROW, disk_bytes_per_row
 from psrec.ps.routing import default_bucket_map
 
 Strategy = Literal["ps", "collective"]
@@ -96,16 +104,33 @@ class TableSize:
     precision: str = "fp32"
     optimizer: str = "rowwise_adagrad"
     ids_per_sample: float = 1.0  # ids of this table in one sample (several for multi-valued features)
+    memory_rows: int | None = None  # with a disk tier: rows kept in memory, all devices together
 
     def __post_init__(self) -> None:
         if self.rows < 0 or self.dim < 1 or self.ids_per_sample < 0:
             raise ValueError(f"table {self.name!r}: rows >= 0, dim >= 1 and ids_per_sample >= 0 required")
+        if self.memory_rows is not None and self.memory_rows < 0:
+            raise ValueError(f"table {self.name!r}: memory_rows >= 0 required")
         payload_bytes(self.dim, self.precision)
         optimizer_state_bytes(self.dim, self.optimizer)
 
     @property
+    def hot_rows(self) -> int:
+        return self.rows if self.memory_rows is None else min(self.memory_rows, self.rows)
+
+    @property
     def bytes(self) -> float:
-        return self.rows * row_bytes(self.dim, self.precision, self.optimizer)
+        """Memory: rows in memory at `row_bytes`, rows on disk at their index entry."""
+        cold = self.rows - self.hot_rows
+        return (
+            self.hot_rows * row_bytes(self.dim, self.precision, self.optimizer)
+            + cold * DISK_INDEX_BYTES_PER_ROW
+        )
+
+    @property
+    def disk_bytes(self) -> float:
+        record = disk_bytes_per_row(self.dim, precision=self.precision, optimizer=self.optimizer)
+        return float((self.rows - self.hot_rows) * record)
 
 
 @dataclass(frozen=True)
@@ -119,10 +144,13 @@ class Devices:
     count: int
     memory_bytes: int
     headroom: float = 0.1
+    disk_bytes: int | None = None  # each device's disk for the disk tier (None: not checked)
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.memory_bytes <= 0 or not 0 <= self.headroom < 1:
             raise ValueError("devices: count >= 1, memory_bytes > 0 and 0 <= headroom < 1 required")
+        if self.disk_bytes is not None and self.disk_bytes < 0:
+            raise ValueError("devices: disk_bytes >= 0 required")
 
     @property
     def usable_bytes(self) -> float:
@@ -166,6 +194,7 @@ class ShardingPlan:
     traffic: tuple[Traffic, ...]  # per device and step (PS: per shard)
     trainer_traffic: Traffic | None = None  # PS: per trainer and step
     notes: tuple[str, ...] = field(default=())
+    disk_bytes: tuple[float, ...] = ()  # per device: the disk tiers' files
 
     def owners(self) -> dict[str, int | None]:
         """Table -> owning device (table-wise) or None (row-wise over all devices)."""
@@ -283,6 +312,7 @@ def plan_sharding(
         memory += per_device
         placements[table.name] = TablePlacement(table.name, "table_wise", device, tuple(per_device))
     ordered = tuple(placements[name] for name in names)
+    disk = _disk_per_device(tables, ordered, shares, devices)
     if strategy == "ps":
         shard_traffic, trainer_traffic = _ps_traffic(tables, devices.count, shares, workload)
         traffic, trainer = shard_traffic, trainer_traffic
@@ -302,7 +332,29 @@ def plan_sharding(
         traffic=traffic,
         trainer_traffic=trainer,
         notes=tuple(notes),
+        disk_bytes=tuple(float(d) for d in disk),
     )
+
+
+def _disk_per_device(
+    tables: list[TableSize], placements: tuple[TablePlacement, ...], shares: np.ndarray, devices: Devices
+) -> np.ndarray:
+    disk = np.zeros(devices.count)
+    for table, placement in zip(tables, placements, strict=True):
+        if placement.owner is None:
+            disk += shares * table.disk_bytes
+        else:
+            disk[placement.owner] += table.disk_bytes
+    fullest = int(np.argmax(disk))
+    if devices.disk_bytes is not None and disk[fullest] > devices.disk_bytes:
+        raise PlanDoesNotFit(
+            f"does not fit: device {fullest} would hold {_gb(disk[fullest])} of disk-tier rows but has "
+            f"{_gb(devices.disk_bytes)} of disk: short by {_gb(disk[fullest] - devices.disk_bytes)}; keep more "
+            "rows in memory or add devices.",
+            shortfall_bytes=float(disk[fullest] - devices.disk_bytes),
+            minimum_devices=None,
+        )
+    return disk
 
 
 def _ids_per_step(table: TableSize, batch_size: int) -> float:
@@ -352,3 +404,43 @@ def _ps_traffic(
     trainer = Traffic(float(out + dense), float(back + dense))
     shards = tuple(Traffic(float(back * trainers * s), float(out * trainers * s)) for s in shares)
     return shards, trainer
+
+
+def plan_disk_tier(tables: list[TableSize], devices: Devices, *, num_buckets: int = 1024) -> list[TableSize]:
+    """`tables` with ``memory_rows`` chosen so that, split row-wise over `devices`, they fit the devices'
+    memory: the smallest tables whole in memory while they fit, then the same fraction of each of the
+    others, the largest that fits the most loaded device (at least one row per device). Tables that
+    all fit are returned unchanged. Raises `PlanDoesNotFit` when even the disk tier's index of every
+    row does not fit."""
+    share = float(_row_wise_shares(num_buckets, devices.count).max())
+    budget = devices.usable_bytes / share  # bytes of whole tables the most loaded device can take
+
+    def full(table: TableSize) -> float:
+        return table.rows * row_bytes(table.dim, table.precision, table.optimizer)
+
+    index = sum(t.rows for t in tables) * DISK_INDEX_BYTES_PER_ROW
+    if index >= budget:
+        raise PlanDoesNotFit(
+            f"does not fit even with a disk tier: the disk index of every row needs {_gb(index * share)} on "
+            f"the most loaded device, which has {_gb(devices.usable_bytes)} usable: add devices or memory.",
+            shortfall_bytes=float((index - budget) * share),
+            minimum_devices=None,
+        )
+    pending = sorted(tables, key=lambda t: (full(t), t.name))
+    whole: set[str] = set()
+    while pending:
+        rest_index = sum(t.rows for t in pending[1:]) * DISK_INDEX_BYTES_PER_ROW
+        if full(pending[0]) + rest_index > budget:
+            break
+        budget -= full(pending[0])
+        whole.add(pending.pop(0).name)
+    if not pending:
+        return [replace(t, memory_rows=None) for t in tables]
+    rest_index = sum(t.rows for t in pending) * DISK_INDEX_BYTES_PER_ROW
+    fraction = (budget - rest_index) / (sum(full(t) for t in pending) - rest_index)
+    return [
+        replace(t, memory_rows=None)
+        if t.name in whole
+        else replace(t, memory_rows=max(int(fraction * t.rows), devices.count))
+        for t in tables
+    ]

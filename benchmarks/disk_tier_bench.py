@@ -1,0 +1,296 @@
+"""Disk tier benchmark: demotion policies' hit rates, and a table larger than its memory budget.
+
+Two parts (results in docs/benchmarks.md, "Disk tier", and docs/disk_tier.md):
+
+``policies``: one TieredTable (dim 16, row-wise Adagrad) per demotion policy (LFU, LRU, LFU with
+aging) is trained on the same batches of Zipf(``--exponent``) ids over ``--universe`` ids, deduped
+per batch as the PS client sends them, with ``--memory-fraction`` of the universe in memory. Reported:
+the hit rate (pulled ids found in memory) over the second half of the steps, next to the best any
+policy can do on this traffic (the probability mass of the most frequent ids that fit), on stationary
+traffic and on traffic whose popular ids change halfway ("drift": the rank -> id map is redrawn).
+
+``scale``: a table of ``--rows`` rows of dim ``--dim`` (row-wise Adagrad, fp32) is filled (every
+row inserted and updated once), then trained for ``--rounds`` rounds of ``--steps`` steps of
+``--batch`` Zipf ids, each system in a fresh process, one after the other: ``memory`` (an
+EmbeddingTable) and ``tiered`` (a TieredTable with the rows that fit ``--memory-gb``, disk index
+included, in memory; the rest under ``--disk-dir``). Reported per system: ids/s of pull + push
+(median of rounds), samples per CPU-second, peak RSS (VmHWM) and its anonymous and file-backed
+parts at the end, the hit rate, disk bytes read/written per step, and where the tiered steps' time
+goes (promotion reads, demotion writes and victim choice).
+
+    . .venv/bin/activate && python benchmarks/disk_tier_bench.py policies
+    python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1     # the issue's target
+    python benchmarks/disk_tier_bench.py scale --rows 4000000 --memory-gb 0.2    # scaled down 5x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from psrec.embedding import EmbeddingTable, SparseOptimizerSpec, TieredTable
+from psrec.embedding.sizes import memory_rows_for_budget
+
+OPTIMIZER = SparseOptimizerSpec("rowwise_adagrad", lr=0.05)
+
+
+class ZipfIds:
+    """Batches of ids whose ranks follow a bounded Zipf law; rank -> id is a random permutation."""
+
+    def __init__(self, universe: int, exponent: float, seed: int) -> None:
+        weights = np.arange(1, universe + 1, dtype=np.float64) ** -exponent
+        self.probabilities = weights / weights.sum()
+        self.cumulative = np.cumsum(self.probabilities)
+        self.rng = np.random.default_rng(seed)
+        self.universe = universe
+        self.redraw()
+
+    def redraw(self) -> None:
+        self.ids = self.rng.permutation(self.universe).astype(np.int64) * 2654435761 % (2**61)
+
+    def batch(self, size: int) -> np.ndarray:
+        ranks = np.searchsorted(self.cumulative, self.rng.random(size), side="right")
+        return np.unique(self.ids[np.minimum(ranks, self.universe - 1)])  # deduped, as the client sends
+
+    def best_hit_rate(self, rows: int, batch: int) -> float:
+        """Share of a deduped batch's ids among the `rows` most probable: the best a policy can keep."""
+        seen = 1 - (1 - self.probabilities) ** batch  # P(id in a batch of `batch` draws)
+        return float(seen[:rows].sum() / seen.sum())
+
+
+def run_policies(args: argparse.Namespace) -> None:
+    memory_rows = int(args.universe * args.memory_fraction)
+    print(
+        f"Zipf({args.exponent}) over {args.universe:,} ids, batches of {args.batch:,} draws (deduped), "
+        f"{args.steps} steps, {memory_rows:,} rows in memory ({args.memory_fraction:.0%})"
+    )
+    print(f"{'traffic':10s} {'policy':10s} {'hit rate':>9s} {'best':>7s} {'promoted/step':>14s}")
+    for traffic in ("stationary", "drift"):
+        results = {}
+        for policy, half_life in [("lfu", 1.0), ("lru", 1.0)] + [("lfu_aging", h) for h in args.half_lives]:
+            ids = ZipfIds(args.universe, args.exponent, seed=1)
+            best = ids.best_hit_rate(memory_rows, args.batch)
+            with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory:
+                table = TieredTable(
+                    "t",
+                    16,
+                    memory_rows=memory_rows,
+                    disk_dir=directory,
+                    policy=policy,
+                    half_life_steps=half_life,
+                    optimizer=OPTIMIZER,
+                )
+                hits = misses = promotions = 0
+                rng = np.random.default_rng(2)
+                for step in range(1, args.steps + 1):
+                    if traffic == "drift" and step == args.steps // 2:
+                        ids.redraw()
+                    batch = ids.batch(args.batch)
+                    before = (table.hits, table.misses, table.promotions)
+                    table.pull(batch)
+                    table.push(batch, rng.standard_normal((batch.shape[0], 16), dtype=np.float32), step=step)
+                    if step > args.steps // 2:
+                        hits += table.hits - before[0]
+                        misses += table.misses - before[1]
+                        promotions += table.promotions - before[2]
+                table.close()
+            label = policy if policy != "lfu_aging" else f"aging/{half_life:g}"
+            results[label] = hits / (hits + misses)
+            print(
+                f"{traffic:10s} {label:10s} {results[label]:9.3f} {best:7.3f} "
+                f"{promotions / (args.steps - args.steps // 2):14,.0f}"
+            )
+
+
+# ------------------------------------------------------------------------------------------ scale
+def _rss() -> dict[str, int]:
+    values = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+def _timed(timings: dict[str, float], name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            timings[name] += time.perf_counter() - started
+
+    return wrapper
+
+
+def run_system(args: argparse.Namespace) -> dict[str, Any]:
+    """One system's run, in this (fresh) process."""
+    rows, dim = args.rows, args.dim
+    timings: dict[str, float] = defaultdict(float)
+    if args.system == "memory":
+        table: EmbeddingTable = EmbeddingTable("t", dim, optimizer=OPTIMIZER, initial_rows=rows)
+        memory_rows = rows
+    else:
+        memory_rows = memory_rows_for_budget(
+            args.memory_gb * 2**30, dim=dim, precision="fp32", optimizer=OPTIMIZER.name, expected_rows=rows
+        )
+        tiered = TieredTable(
+            "t",
+            dim,
+            memory_rows=memory_rows,
+            disk_dir=args.disk_dir,
+            optimizer=OPTIMIZER,
+            initial_rows=memory_rows,
+        )
+        cold = tiered._cold
+        cold.read = _timed(timings, "disk read (promotion)", cold.read)  # type: ignore[method-assign]
+        cold.write = _timed(timings, "disk write (demotion)", cold.write)  # type: ignore[method-assign]
+        tiered._enforce_budget = _timed(timings, "demotion (victims + write)", tiered._enforce_budget)  # type: ignore[method-assign]
+        tiered._promote = _timed(timings, "promotion (read + insert)", tiered._promote)  # type: ignore[method-assign]
+        table = tiered
+    zipf = ZipfIds(rows, args.exponent, seed=3)
+    started = time.perf_counter()
+    chunk = 200_000
+    for start in range(0, rows, chunk):  # every row inserted and updated once
+        ids = zipf.ids[start : start + chunk]
+        table.pull(ids)
+        table.push(ids, np.full((ids.shape[0], dim), 0.01, dtype=np.float32), step=1)
+    fill_seconds = time.perf_counter() - started
+    rng = np.random.default_rng(4)
+    batches = [zipf.batch(args.batch) for _ in range(args.steps)]
+    grads = [rng.standard_normal((batch.shape[0], dim), dtype=np.float32) for batch in batches]
+    step = 1
+    rounds = []
+    disk_before = dict(getattr(table, "tier_stats", dict)())
+    timings.clear()
+    for _ in range(args.rounds):
+        wall, cpu = time.perf_counter(), time.process_time()
+        for batch, grad in zip(batches, grads, strict=True):
+            step += 1
+            table.pull(batch)
+            table.push(batch, grad, step=step)
+        rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
+    ids_per_round = sum(batch.shape[0] for batch in batches)
+    result: dict[str, Any] = {
+        "system": args.system,
+        "rows": table.num_rows,
+        "memory_rows": memory_rows,
+        "fill_seconds": fill_seconds,
+        "ids_per_second": statistics.median(ids_per_round / wall for wall, _ in rounds),
+        "ids_per_cpu_second": statistics.median(ids_per_round / cpu for _, cpu in rounds),
+        "unique_ids_per_step": ids_per_round / args.steps,
+        "table_bytes": table.memory_bytes()["total"],
+        **_rss(),
+    }
+    if isinstance(table, TieredTable):
+        after = table.tier_stats()
+        steps = args.rounds * args.steps
+        pulled = (after["pull_hits"] - disk_before["pull_hits"]) + (
+            after["pull_misses"] - disk_before["pull_misses"]
+        )
+        result.update(
+            hit_rate=(after["pull_hits"] - disk_before["pull_hits"]) / pulled,
+            disk_read_per_step=(after["disk_bytes_read"] - disk_before["disk_bytes_read"]) / steps,
+            disk_written_per_step=(after["disk_bytes_written"] - disk_before["disk_bytes_written"]) / steps,
+            promotions_per_step=(after["promotions"] - disk_before["promotions"]) / steps,
+            demotions_per_step=(after["demotions"] - disk_before["demotions"]) / steps,
+            disk_rows=after["disk_rows"],
+            seconds_per_step={name: value / steps for name, value in timings.items()},
+            step_seconds=sum(wall for wall, _ in rounds) / steps,
+        )
+    return result
+
+
+def run_scale(args: argparse.Namespace) -> None:
+    results = []
+    for system in ("memory", "tiered"):
+        command = [sys.executable, __file__, "system", "--system", system]
+        for name in ("rows", "dim", "batch", "steps", "rounds", "exponent", "memory_gb", "disk_dir"):
+            value = getattr(args, name)
+            if value is not None:
+                command += [f"--{name.replace('_', '-')}", str(value)]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        results.append(json.loads(output.strip().splitlines()[-1]))
+    memory, tiered = results
+    gib = 2**30
+    print(
+        f"{args.rows:,} rows x dim {args.dim} (row-wise Adagrad, fp32), budget {args.memory_gb} GiB "
+        f"({tiered['memory_rows']:,} rows in memory), Zipf({args.exponent}), {memory['unique_ids_per_step']:,.0f} "
+        f"unique ids/step, {args.rounds} rounds x {args.steps} steps; load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'system':8s} {'ids/s':>10s} {'ids/CPU-s':>10s} {'peak RSS':>9s} {'anon':>7s} {'file':>7s} {'fill s':>7s}"
+    )
+    for result in results:
+        print(
+            f"{result['system']:8s} {result['ids_per_second']:10,.0f} {result['ids_per_cpu_second']:10,.0f} "
+            f"{result['VmHWM'] / gib:8.2f}G {result['RssAnon'] / gib:6.2f}G {result['RssFile'] / gib:6.2f}G "
+            f"{result['fill_seconds']:7.1f}"
+        )
+    print(f"tiered / memory throughput: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x")
+    print(
+        f"hit rate {tiered['hit_rate']:.3f}; per step: {tiered['promotions_per_step']:,.0f} promotions, "
+        f"{tiered['demotions_per_step']:,.0f} demotions, {tiered['disk_read_per_step'] / 2**20:.1f} MiB read, "
+        f"{tiered['disk_written_per_step'] / 2**20:.1f} MiB written"
+    )
+    parts = ", ".join(
+        f"{name} {seconds * 1e3:.1f} ms" for name, seconds in tiered["seconds_per_step"].items()
+    )
+    print(f"tiered step {tiered['step_seconds'] * 1e3:.1f} ms: {parts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("part", choices=["policies", "scale", "system"])
+    parser.add_argument("--exponent", type=float, default=1.1)
+    parser.add_argument(
+        "--disk-dir", default=None, help="where the disk tier's files go (default: a temp dir)"
+    )
+    parser.add_argument("--universe", type=int, default=1_000_000, help="policies: distinct ids")
+    parser.add_argument("--memory-fraction", type=float, default=0.1, help="policies: share of ids in memory")
+    parser.add_argument("--batch", type=int, default=None, help="draws per batch (deduped)")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rows", type=int, default=4_000_000, help="scale: rows in the table")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--memory-gb", type=float, default=0.2, help="scale: the tiered table's budget")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--system", choices=["memory", "tiered"])
+    parser.add_argument(
+        "--half-lives",
+        type=float,
+        nargs="+",
+        default=[10, 50, 1000],
+        help="policies: lfu_aging half-lives (steps)",
+    )
+    args = parser.parse_args()
+    if args.part == "policies":
+        args.batch = args.batch or 16_384
+        args.steps = args.steps or 200
+        run_policies(args)
+        return
+    args.batch = args.batch or 65_536
+    args.steps = args.steps or 20
+    if args.part == "scale":
+        run_scale(args)
+        return
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory:
+        args.disk_dir = directory
+        print(json.dumps(run_system(args), default=float))
+
+
+if __name__ == "__main__":
+    main()
