@@ -443,10 +443,11 @@ class RunConfig(_Strict):
         data.pop("run_dir")
         data.pop("checkpoint")
         data.pop("fault_tolerance")
+        # ps.num_shards may change: a checkpoint restores into any shard count (psrec.ps.reshard)
         data["ps"] = {
             k: v
             for k, v in data["ps"].items()
-            if k in ("num_shards", "num_buckets", "num_trainers", "strategy", "sharding", "pipeline")
+            if k in ("num_buckets", "num_trainers", "strategy", "sharding", "pipeline")
         }
         return data
 

@@ -125,11 +125,12 @@ class ShardActor:
         """Write this shard's file of a pending checkpoint (shards write in parallel)."""
         return write_shard_checkpoint(self.shard, pending, kind)
 
-    def restore(self, chain: list[CheckpointRef], step: int) -> None:
+    def restore(self, chain: list[CheckpointRef], step: int, bucket_map: np.ndarray | None = None) -> None:
+        """Load `chain`; with `bucket_map`, also a chain written with another shard count."""
         if self.logged is not None:
-            self.logged.restore(chain, step)
+            self.logged.restore(chain, step, bucket_map)
         else:
-            restore_shard(self.shard, chain, step)
+            restore_shard(self.shard, chain, step, bucket_map=bucket_map)
 
     def checkpointed(self, chain: list[CheckpointRef]) -> None:
         """`chain` is committed and holds this shard's state: its log starts again from it."""

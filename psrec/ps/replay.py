@@ -112,6 +112,7 @@ class LoggedShard:
         self.restores = 0  # restores the driver asked for (a rollback or a resume)
         self.recovery: dict[str, Any] | None = None  # how this process rebuilt the shard, if it did
         self._restored = 0.0  # when the checkpoint chain was loaded, during a recovery
+        self.bucket_map: list[int] | None = None  # the layout given at the last restore (None: as written)
 
     # -- opening: fresh or recovered --------------------------------------------------------------
     @classmethod
@@ -161,7 +162,11 @@ class LoggedShard:
         base = segment.base.meta
         if base["kind"] == "checkpoint":
             chain = [ref_from_json(ref) for ref in base["chain"]]
-            restore_shard(self.shard, chain, int(base["step"]))
+            layout = base.get("bucket_map")
+            self.bucket_map = layout
+            restore_shard(
+                self.shard, chain, int(base["step"]), bucket_map=None if layout is None else np.array(layout)
+            )
             for name, lr in base["learning_rates"].items():
                 self.shard.set_learning_rate(float(lr), [name])
             self.last_pull = {caller: int(n) for caller, n in base["last_pull"].items()}
@@ -255,12 +260,16 @@ class LoggedShard:
             "last_pull": dict(self.last_pull),
             "snapshots": tags,
             "needs_full_checkpoint": self.shard.needs_full_checkpoint,
+            "bucket_map": self.bucket_map,
         }
         self.log.start_segment(base)
 
-    def restore(self, chain: list[CheckpointRef], step: int) -> None:
-        """The driver's restore (a rollback or a resume): load the chain, then log on top of it."""
-        restore_shard(self.shard, chain, step)
+    def restore(self, chain: list[CheckpointRef], step: int, bucket_map: np.ndarray | None = None) -> None:
+        """The driver's restore (a rollback or a resume): load the chain, then log on top of it.
+        `bucket_map`: this shard's layout, for a chain written with another (`restore_shard`)."""
+        restore_shard(self.shard, chain, step, bucket_map=bucket_map)
+        if bucket_map is not None:
+            self.bucket_map = [int(shard) for shard in bucket_map]
         self.restores += 1
         self.checkpointed(chain)
 

@@ -30,7 +30,7 @@ from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement
-from psrec.train.cluster import required_cpus, start_ray
+from psrec.train.cluster import required_cpus, settle_lost_actors, start_ray
 from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import ChunkResult, TrainerWorker
 
@@ -257,8 +257,8 @@ class LocalRuntime(RuntimeBase):
         return [write_shard_checkpoint(shard, pending, kind) for shard in self.shards]
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
-        for shard in self.shards:
-            restore_shard(shard, chain, step)
+        for shard in self.shards:  # a chain of another shard count is resharded on the way in
+            restore_shard(shard, chain, step, bucket_map=builders.bucket_map(self.config))
 
     def dead_actors(self) -> list[str]:
         return []  # everything runs in this process: a failure is an exception, not a death
@@ -399,7 +399,10 @@ class RayRuntime(RuntimeBase):
         return self._partitions("write_checkpoint", pending, kind)
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
-        self._partitions("restore", chain, step)
+        if self.collective:
+            self._partitions("restore", chain, step)
+        else:  # a chain of another shard count is resharded on the way in
+            self._partitions("restore", chain, step, builders.bucket_map(self.config))
 
     def _checkpoint_committed(self, ref: CheckpointRef) -> None:
         if self._failover is not None:
@@ -439,6 +442,7 @@ class RayRuntime(RuntimeBase):
         """Replace dead actors and roll every shard and trainer back to `chain` (or to a fresh start)."""
         import ray
 
+        settle_lost_actors([*self.trainers, *self.shards])  # replacements must not land on a dying node
         for trainer in self.trainers:
             ray.kill(trainer)
         dead = [i for i, shard in enumerate(self.shards) if not _answers(shard)]
