@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,10 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver
             os.environ.setdefault("RAY_worker_niceness", "0")
             with _loopback_node():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
+        elif _loopback_address(address):
+            # a cluster on this machine's loopback: Ray would swap 127.0.0.1 for a routable address
+            with _loopback_node():
+                ray.init(address=address, **kwargs)
         else:
             ray.init(address=address, **kwargs)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
@@ -80,6 +85,11 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver
             f"ps.address: could not start or join {where}: {error}. Check the address (ray status on the "
             "head node prints it) or leave ps.address empty to run on this machine."
         ) from None
+
+
+def _loopback_address(address: str) -> bool:
+    host = address.rpartition(":")[0]
+    return host in (LOOPBACK, "localhost")
 
 
 @contextlib.contextmanager
@@ -233,3 +243,46 @@ def check_reachable(address: str, *, timeout: float = 5.0) -> None:
             f"ps.address {address!r} does not answer ({error}). Is the Ray head running there "
             "(`ray start --head` prints its address)? Leave ps.address empty to run on this machine."
         ) from None
+
+
+# -- lost nodes --------------------------------------------------------------------------------
+LOST_NODE_TIMEOUT_S = 90.0
+
+
+def actor_state(actor: Any, *, timeout: float = 5.0) -> str:
+    """ "alive", "dead" (Ray reports it died: its process, or its node marked dead), or "unreachable"
+    (no answer yet: its node may be dying and not yet marked dead by the cluster's health checks)."""
+    import ray
+    from ray.exceptions import ActorDiedError, GetTimeoutError
+
+    try:
+        ray.get(actor.pid.remote(), timeout=timeout)
+    except ActorDiedError:
+        return "dead"
+    except (GetTimeoutError, ray.exceptions.ActorUnavailableError):
+        return "unreachable"
+    except Exception:  # noqa: BLE001 - any other failure: the actor must be replaced
+        return "dead"
+    return "alive"
+
+
+def settle_lost_actors(actors: list[Any], *, timeout: float = LOST_NODE_TIMEOUT_S) -> list[str]:
+    """Wait until every actor is alive or known dead, at most `timeout` seconds; their states.
+
+    A node that dies takes a while (Ray's health checks: ~15-30 s) to be marked dead; until then
+    its actors are unreachable rather than dead, and the scheduler may still place a replacement
+    on it. Recovery waits here first, so that replacements go to the surviving nodes.
+    """
+    deadline = time.monotonic() + timeout
+    states = [actor_state(actor) for actor in actors]
+    while "unreachable" in states and time.monotonic() < deadline:
+        logger.warning(
+            "%d actors unreachable: waiting for the cluster to mark their node dead",
+            states.count("unreachable"),
+        )
+        time.sleep(1.0)
+        states = [
+            state if state != "unreachable" else actor_state(actor)
+            for actor, state in zip(actors, states, strict=True)
+        ]
+    return states
