@@ -11,7 +11,8 @@ traffic and on traffic whose popular ids change halfway ("drift": the rank -> id
 
 ``scale``: a table of ``--rows`` rows of dim ``--dim`` (row-wise Adagrad, fp32) is filled (every
 row inserted and updated once), then trained for ``--rounds`` rounds of ``--steps`` steps of
-``--batch`` Zipf ids, each system in a fresh process, one after the other: ``memory`` (an
+``--batch`` Zipf ids (after ``--warmup-rounds`` untimed ones, in which the memory tier fills with
+the popular rows), each system in a fresh process, one after the other: ``memory`` (an
 EmbeddingTable) and ``tiered`` (a TieredTable with the rows that fit ``--memory-gb``, disk index
 included, in memory; the rest under ``--disk-dir``). Reported per system: ids/s of pull + push
 (median of rounds), samples per CPU-second, peak RSS (VmHWM) and its anonymous and file-backed
@@ -161,28 +162,36 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         tiered._promote = _timed(timings, "promotion (read + insert)", tiered._promote)  # type: ignore[method-assign]
         table = tiered
     zipf = ZipfIds(rows, args.exponent, seed=3)
+    baseline = _rss()["VmRSS"]  # interpreter, numba and NumPy, the id generator: before any row
     started = time.perf_counter()
-    chunk = 200_000
+    chunk = min(200_000, max(memory_rows // 4, 1))
     for start in range(0, rows, chunk):  # every row inserted and updated once
         ids = zipf.ids[start : start + chunk]
         table.pull(ids)
         table.push(ids, np.full((ids.shape[0], dim), 0.01, dtype=np.float32), step=1)
     fill_seconds = time.perf_counter() - started
     rng = np.random.default_rng(4)
-    batches = [zipf.batch(args.batch) for _ in range(args.steps)]
-    grads = [rng.standard_normal((batch.shape[0], dim), dtype=np.float32) for batch in batches]
+    grad = rng.standard_normal((args.batch, dim), dtype=np.float32)
     step = 1
-    rounds = []
-    disk_before = dict(getattr(table, "tier_stats", dict)())
-    timings.clear()
-    for _ in range(args.rounds):
+
+    def round_of_steps() -> int:
+        nonlocal step
+        batches = [zipf.batch(args.batch) for _ in range(args.steps)]  # fresh ids, drawn before timing
         wall, cpu = time.perf_counter(), time.process_time()
-        for batch, grad in zip(batches, grads, strict=True):
+        for batch in batches:
             step += 1
             table.pull(batch)
-            table.push(batch, grad, step=step)
+            table.push(batch, grad[: batch.shape[0]], step=step)
         rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
-    ids_per_round = sum(batch.shape[0] for batch in batches)
+        return sum(batch.shape[0] for batch in batches)
+
+    rounds: list[tuple[float, float]] = []
+    for _ in range(args.warmup_rounds):  # the memory tier fills with the popular rows
+        round_of_steps()
+    rounds.clear()
+    disk_before = dict(getattr(table, "tier_stats", dict)())
+    timings.clear()
+    ids_per_round = statistics.median(round_of_steps() for _ in range(args.rounds))
     result: dict[str, Any] = {
         "system": args.system,
         "rows": table.num_rows,
@@ -190,8 +199,10 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         "fill_seconds": fill_seconds,
         "ids_per_second": statistics.median(ids_per_round / wall for wall, _ in rounds),
         "ids_per_cpu_second": statistics.median(ids_per_round / cpu for _, cpu in rounds),
+        "round_seconds": [wall for wall, _ in rounds],
         "unique_ids_per_step": ids_per_round / args.steps,
         "table_bytes": table.memory_bytes()["total"],
+        "baseline_rss": baseline,
         **_rss(),
     }
     if isinstance(table, TieredTable):
@@ -217,7 +228,17 @@ def run_scale(args: argparse.Namespace) -> None:
     results = []
     for system in ("memory", "tiered"):
         command = [sys.executable, __file__, "system", "--system", system]
-        for name in ("rows", "dim", "batch", "steps", "rounds", "exponent", "memory_gb", "disk_dir"):
+        for name in (
+            "rows",
+            "dim",
+            "batch",
+            "steps",
+            "rounds",
+            "warmup_rounds",
+            "exponent",
+            "memory_gb",
+            "disk_dir",
+        ):
             value = getattr(args, name)
             if value is not None:
                 command += [f"--{name.replace('_', '-')}", str(value)]
@@ -240,6 +261,10 @@ def run_scale(args: argparse.Namespace) -> None:
             f"{result['fill_seconds']:7.1f}"
         )
     print(f"tiered / memory throughput: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x")
+    for result in results:
+        print(
+            f"{result['system']} rounds (s): " + " ".join(f"{value:.2f}" for value in result["round_seconds"])
+        )
     print(
         f"hit rate {tiered['hit_rate']:.3f}; per step: {tiered['promotions_per_step']:,.0f} promotions, "
         f"{tiered['demotions_per_step']:,.0f} demotions, {tiered['disk_read_per_step'] / 2**20:.1f} MiB read, "
@@ -267,7 +292,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4_000_000, help="scale: rows in the table")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--memory-gb", type=float, default=0.2, help="scale: the tiered table's budget")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="scale: untimed rounds first")
     parser.add_argument("--system", choices=["memory", "tiered"])
     parser.add_argument(
         "--half-lives",

@@ -9,7 +9,9 @@ checksum of the rest. ``RecordLayout`` describes the fields; ``DiskTier`` keeps
   never one read per id);
 - in memory, per cold row: its slot (a ``HashIndex`` id -> slot, free slots reused), its count and
   last step (so eviction, deltas and the demotion policy never read the disk), about 24 bytes a
-  row (``sizes.DISK_INDEX_BYTES_PER_ROW``).
+  row (``sizes.DISK_INDEX_BYTES_PER_ROW``). A promoted row keeps its slot, marked resident (its
+  copy in memory is the current one): demoting it again rewrites the same slot, with no index
+  update either way; only ``remove`` frees slots.
 
 Why a slab and not LMDB or RocksDB: ``benchmarks/disk_store_choice.py`` (docs/benchmarks.md,
 "Disk tier") reads 100k random rows 18x faster and writes demotions 1.2-1.9x faster than either.
@@ -19,9 +21,9 @@ it, a killed shard leaves nothing behind, and a new one starts an empty file (it
 from the checkpoint). The file grows by ``posix_fallocate``, so a full disk is an ``OSError`` naming
 the directory when the tier grows, never a ``SIGBUS`` at a later write. Every read verifies each
 record's checksum; a mismatch (a torn or corrupted record) raises instead of returning the row.
-After each batch the tier drops its mapped pages from the process (``MADV_DONTNEED``: written pages
-stay in the page cache and reach the file), so the rows it reads do not accumulate in the shard's
-resident memory.
+Once the batches since the last drop have touched ``MAPPED_BYTES_LIMIT`` (64 MiB) of pages, the
+tier drops its mapped pages from the process (``MADV_DONTNEED``: written pages stay in the page
+cache and reach the file), so the slab adds at most that much to the shard's resident memory.
 """
 
 from __future__ import annotations
@@ -44,16 +46,19 @@ PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 CHECKSUM_SEED = 0xD15C_71E2
 SLAB_GROWTH = 1.5
 MIN_SLOTS = 1024
+PAGE_BYTES = 4096
+MAPPED_BYTES_LIMIT = 64 << 20  # pages the tier may leave mapped (in RSS) before it drops them
 
 
 @numba.njit(cache=True, nogil=True)
 def _checksum_kernel(words, out):  # pragma: no cover - numba
-    """One 64-bit checksum per record: (records, words) uint64 -> (records,) uint64."""
+    """One 64-bit checksum per record: (records, words) uint64 -> (records,) uint64. The terms are
+    independent (word j mixed with its position), so the loop vectorises."""
     for i in range(words.shape[0]):
-        digest = np.uint64(CHECKSUM_SEED)
+        digest = np.uint64(0)
         for j in range(words.shape[1]):
-            digest = mix64(digest ^ words[i, j]) + np.uint64(GOLDEN_GAMMA)
-        out[i] = digest
+            digest += mix64(words[i, j] ^ (np.uint64(j + 1) * np.uint64(GOLDEN_GAMMA)))
+        out[i] = mix64(digest ^ np.uint64(CHECKSUM_SEED))
 
 
 @dataclass(frozen=True)
@@ -163,20 +168,24 @@ class DiskTier:
         self._file = tempfile.TemporaryFile(dir=self.directory, prefix=f"psrec-{table}-")  # noqa: SIM115
         self._index = HashIndex()
         self._metadata = np.zeros((0, 2), dtype=np.uint32)  # per slot: [count, last step]
+        self._resident = np.zeros(0, dtype=np.bool_)  # per slot: the row's current copy is in memory
+        self._resident_count = 0
         self._capacity = 0
         self._map: mmap.mmap | None = None
         self._slab = np.zeros((0, layout.record_bytes), dtype=np.uint8)
+        self._mapped_pages = 0  # pages touched since the last drop (an upper bound)
         self.bytes_read = 0
         self.bytes_written = 0
 
     # ------------------------------------------------------------------------------------ sizes
     @property
     def num_rows(self) -> int:
-        return self._index.num_rows
+        """Rows whose current copy is on disk."""
+        return self._index.num_rows - self._resident_count
 
     def memory_bytes(self) -> int:
         """Bytes the tier keeps in memory: its index and per-row metadata."""
-        return self._index.nbytes() + int(self._metadata.nbytes)
+        return self._index.nbytes() + int(self._metadata.nbytes) + int(self._resident.nbytes)
 
     def disk_bytes(self) -> int:
         return self._capacity * self.layout.record_bytes
@@ -206,6 +215,12 @@ class DiskTier:
         """Drop the mapped pages from this process's resident memory (they stay in the page cache)."""
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
+        self._mapped_pages = 0
+
+    def _touched(self, rows: int) -> None:
+        self._mapped_pages += rows * (self.layout.record_bytes // PAGE_BYTES + 2)
+        if self._mapped_pages * PAGE_BYTES >= MAPPED_BYTES_LIMIT:
+            self.release_pages()
 
     def close(self) -> None:
         self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)
@@ -216,39 +231,49 @@ class DiskTier:
 
     # ------------------------------------------------------------------------------------ rows
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, -1 where the id is not on disk."""
-        slots, _ = self._index.lookup(ids)
+        """Slot of each id whose current copy is on disk, -1 for the others."""
+        slots, missing = self._index.lookup(ids)
+        if self._resident_count and missing < ids.shape[0]:
+            found = np.flatnonzero(slots >= 0)
+            slots[found[self._resident[slots[found]]]] = -1
         return slots
 
     def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(ids, counts, last_step) of every cold row, in slot order."""
+        """(ids, counts, last_step) of every row on disk, in slot order."""
         slots = self._index.live_rows(sort=True)
+        slots = slots[~self._resident[slots]]
         return self._index.keys[slots], self._metadata[slots, 0], self._metadata[slots, 1]
 
     def write(self, values: dict[str, np.ndarray]) -> None:
-        """Store whole rows: `values["ids"]` (unique, not on disk yet) and their fields."""
+        """Store whole rows: `values["ids"]` (unique; new, or resident: promoted earlier) and their
+        fields."""
         ids = values["ids"]
         if ids.shape[0] == 0:
             return
         records = self.layout.pack(values)
         slots, inserted = self._index.insert(ids)
-        if not inserted.all():
-            raise RuntimeError(f"table {self.table!r}: ids written to the disk tier twice")
         self._grow(self._index.row_capacity)
         self._metadata = grow_rows(self._metadata, self._index.row_capacity)
+        self._resident = grow_rows(self._resident, self._index.row_capacity)
+        rewritten = slots[~inserted]
+        if rewritten.shape[0]:
+            if not self._resident[rewritten].all():
+                raise RuntimeError(f"table {self.table!r}: ids written to the disk tier twice")
+            self._resident[rewritten] = False
+            self._resident_count -= int(rewritten.shape[0])
         order = np.argsort(slots, kind="stable")  # ascending file offsets
         self._slab[slots[order]] = records[order]
         self._metadata[slots, 0] = values["counts"]
         self._metadata[slots, 1] = values["last_step"]
         self.bytes_written += int(records.nbytes)
-        self.release_pages()
+        self._touched(ids.shape[0])
 
     def read(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The rows in `slots` (all >= 0), checksums verified, plus their "ids"."""
         order = np.argsort(slots, kind="stable")
         records = np.empty((slots.shape[0], self.layout.record_bytes), dtype=np.uint8)
         records[order] = self._slab[slots[order]]
-        self.release_pages()
+        self._touched(slots.shape[0])
         self.bytes_read += int(records.nbytes)
         bad = self.layout.corrupt(records)
         if bad.any():
@@ -263,23 +288,32 @@ class DiskTier:
         return values
 
     def take(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Read and remove the rows of the unique `ids` that are on disk (promotion)."""
+        """Read the rows of the unique `ids` that are on disk and mark them resident (promotion)."""
         slots = self.lookup(ids)
-        present = slots >= 0
-        values = self.read(slots[present])
-        self._index.remove(ids[present])
+        slots = slots[slots >= 0]
+        values = self.read(slots)
+        self._resident[slots] = True
+        self._resident_count += int(slots.shape[0])
         return values
 
     def remove(self, ids: np.ndarray) -> np.ndarray:
-        """Remove the ids that are on disk; returns those ids."""
+        """Forget the ids (resident or not); returns those whose current copy was on disk."""
         if self._index.num_rows == 0 or ids.shape[0] == 0:
             return np.zeros(0, dtype=np.int64)
-        freed = self._index.remove(ids)
-        return ids[freed >= 0]
+        slots, _ = self._index.lookup(ids)
+        found = slots >= 0
+        resident = np.zeros(ids.shape[0], dtype=np.bool_)
+        resident[found] = self._resident[slots[found]]
+        self._index.remove(ids)
+        self._resident[slots[resident]] = False
+        self._resident_count -= int(resident.sum())
+        return ids[found & ~resident]
 
     def clear(self) -> None:
         self._index = HashIndex()
         self._metadata = np.zeros((0, 2), dtype=np.uint32)
+        self._resident = np.zeros(0, dtype=np.bool_)
+        self._resident_count = 0
         self._capacity = 0
         self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)
         if self._map is not None:

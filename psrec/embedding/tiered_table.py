@@ -122,7 +122,8 @@ class TieredTable(EmbeddingTable):
         half_life_steps: float = AGING_HALF_LIFE_STEPS,
         **table_arguments: Any,
     ) -> None:
-        super().__init__(name, dim, **table_arguments)
+        populate = table_arguments.pop("populate", True)
+        super().__init__(name, dim, populate=False, **table_arguments)
         if isinstance(memory_rows, bool) or not isinstance(memory_rows, int | np.integer) or memory_rows < 1:
             raise ValueError(self._message(f"storage memory_rows must be an int >= 1, got {memory_rows!r}"))
         if policy not in POLICIES:
@@ -141,6 +142,8 @@ class TieredTable(EmbeddingTable):
         self.half_life_steps = float(half_life_steps)
         layout = RecordLayout(self.dim, precision=self.precision, optimizer=self.optimizer.name)
         self._cold = DiskTier(disk_dir, layout, table=name)
+        if table_arguments.get("initial_rows") and populate:
+            self._populate()
         self.hits = 0  # pulled ids found in memory
         self.misses = 0  # pulled ids not in memory (promoted, new, or not admitted)
         self.promotions = 0

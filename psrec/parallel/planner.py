@@ -32,8 +32,9 @@ assume ids spread evenly over buckets (the splitmix64 bucket hash makes them so)
 
 Disk tier (``TableSize.memory_rows``, docs/disk_tier.md): a table keeps that many rows in memory
 (all devices together) at the cost above; each other row costs ``DISK_INDEX_BYTES_PER_ROW`` (24) in
-memory, for the disk tier's index, and its record (``disk_bytes_per_row``: payload, optimizer state,
-metadata and checksum) on the device's disk, checked against ``Devices.disk_bytes`` when given.
+memory, for the disk tier's index; on the device's disk every row of the table takes a record
+(``disk_bytes_per_row``: payload, optimizer state, metadata and checksum; a promoted row keeps its
+slot), checked against ``Devices.disk_bytes`` when given.
 `plan_disk_tier` chooses ``memory_rows`` for every table so that the tables fit the devices' memory
 (for row-wise tables): the smallest tables whole, the same fraction of each larger one, as much as fits.
 
@@ -129,8 +130,9 @@ class TableSize:
 
     @property
     def disk_bytes(self) -> float:
+        """Disk: a record for every row once any is on disk (promoted rows keep their slot)."""
         record = disk_bytes_per_row(self.dim, precision=self.precision, optimizer=self.optimizer)
-        return float((self.rows - self.hot_rows) * record)
+        return float(self.rows * record) if self.hot_rows < self.rows else 0.0
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def storage_spec(name: str, config: TableConfig, *, shard_rows: int) -> StorageS
     """A shard's disk tier of table `name`: ``memory_rows`` as given, or as many rows as fit
     ``memory_gb`` with the disk tier's index of the shard's other rows (`shard_rows` expected in
     all). The directory is checked here, before training: it must exist, be writable and have room
-    for the rows expected on disk; otherwise a ConfigError names it."""
+    for a record of every expected row; otherwise a ConfigError names it."""
     storage = config.storage
     if storage is None:
         return None
@@ -78,7 +78,7 @@ def storage_spec(name: str, config: TableConfig, *, shard_rows: int) -> StorageS
             )
         except ValueError as error:
             raise ConfigError(f"{where}: memory_gb {storage.memory_gb}: {error}") from None
-    disk_rows = max(shard_rows - memory_rows, 0)
+    disk_rows = shard_rows if shard_rows > memory_rows else 0  # promoted rows keep their slot
     try:
         directory = check_disk_dir(
             storage.disk_dir,

@@ -206,6 +206,13 @@ def test_build_table_from_spec(tmp_path):
     )
     table = build_table(spec)
     assert isinstance(table, TieredTable) and table.memory_rows == 3
+    reserved = build_table(
+        TableSpec(
+            "t", 4, optimizer=OPTIMIZERS["sgd"], initial_rows=100,
+            storage=StorageSpec(memory_rows=50, disk_dir=str(tmp_path)),
+        )
+    )  # fmt: skip
+    assert isinstance(reserved, TieredTable) and reserved.memory_bytes()["payload"] >= 50 * 4 * 4
     plain = build_table(TableSpec("t", 4, optimizer=OPTIMIZERS["sgd"]))
     assert type(plain) is EmbeddingTable
 
