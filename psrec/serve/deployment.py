@@ -8,11 +8,13 @@ Endpoints: ``POST /`` scores rows (`psrec.serve.requests` describes the body; th
 ``{"version": ..., "scores": [...]}`` or, for SASRec, ``{"version", "items", "scores"}`` top-k per
 row); ``GET /version`` names the served version and the features a row carries.
 
-Every replica (`ModelServer`) loads the export itself and batches concurrent requests
-(``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or ``batch_wait_seconds`` of
-waiting, whichever comes first) into one lookup and one forward pass. Requests are validated before
-they join a batch, so a bad one gets its own 4xx and never fails its neighbours. With ``follow``
-each replica runs a `psrec.serve.follow.DeltaFollower`.
+The `Ingress` deployment takes the HTTP requests and validates them (a bad one gets its own 4xx
+and never reaches a model replica, nor fails its neighbours), then hands them to one of the
+``replicas`` `ModelServer` replicas; a request whose model replica dies is retried once on another,
+and answered 503 when that fails too. Every model replica loads the export itself and batches
+concurrent requests (``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or
+``batch_wait_seconds`` of waiting, whichever comes first) into one lookup and one forward pass.
+With ``follow`` each model replica runs a `psrec.serve.follow.DeltaFollower`.
 
 HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
 (`psrec.train.cluster.start_ray`).
@@ -21,6 +23,7 @@ HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray clust
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +60,7 @@ def _rows_of(requests: list[ParsedRequest]) -> int:
 
 
 class ModelServer:
-    """One replica: the export, its request batching and (optionally) its follower."""
+    """One model replica: the export, request batching and (optionally) its follower."""
 
     def __init__(self, model_dir: str, options: ServeOptions) -> None:
         import torch
@@ -71,29 +74,12 @@ class ModelServer:
         if options.follow is not None:
             self.follower = DeltaFollower(self.model, options.follow, poll_seconds=options.poll_seconds)
             self.follower.start()
-        self._score.set_max_batch_size(options.max_batch_rows)  # type: ignore[attr-defined]
-        self._score.set_batch_wait_timeout_s(options.batch_wait_seconds)  # type: ignore[attr-defined]
+        self.score.set_max_batch_size(options.max_batch_rows)  # type: ignore[attr-defined]
+        self.score.set_batch_wait_timeout_s(options.batch_wait_seconds)  # type: ignore[attr-defined]
 
     @serve.batch(max_batch_size=4096, batch_wait_timeout_s=0.005, batch_size_fn=_rows_of)
-    async def _score(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
+    async def score(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
         return self.model.score_requests(requests)
-
-    async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
-        path = request.url.path.rstrip("/")
-        if request.method == "GET" and path in ("/version", ""):
-            return JSONResponse(self.describe())
-        if request.method != "POST" or path not in ("", "/score"):
-            return JSONResponse(
-                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
-                status_code=404 if request.method in ("GET", "POST") else 405,
-            )
-        try:
-            parsed = parse_request(decode_body(await request.body()), self.model.request_spec)
-        except RequestError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return JSONResponse(await self._score(parsed))
 
     def describe(self) -> dict[str, Any]:
         version = self.model.version
@@ -104,6 +90,7 @@ class ModelServer:
             "precision": self.model.precision,
             "features": self.model.request_spec.feature_names,
             "table_bytes": self.model.table_bytes(),
+            "replica_pid": os.getpid(),
         }
 
     def __del__(self) -> None:
@@ -111,15 +98,66 @@ class ModelServer:
             self.follower.stop()  # type: ignore[union-attr]
 
 
-def deployment(options: ServeOptions) -> Any:
-    """The Ray Serve deployment of `ModelServer` with ``options`` (batching counted in rows)."""
-    return serve.deployment(
-        ModelServer,
+class Ingress:
+    """The HTTP side: validates each request (a bad one never reaches a model replica), hands it to
+    a model replica, and retries once on another when that replica dies; then answers 503."""
+
+    def __init__(self, model_dir: str, options: ServeOptions, models: Any) -> None:
+        from psrec.serve.model_dir import read_serving
+        from psrec.serve.scoring import request_spec_of
+
+        self.spec = request_spec_of(read_serving(model_dir), max_rows=options.max_request_rows)
+        self.models = models
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        path = request.url.path.rstrip("/")
+        if request.method == "GET" and path in ("/version", ""):
+            return await self._forward("describe", None)
+        if request.method != "POST" or path not in ("", "/score"):
+            return JSONResponse(
+                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
+                status_code=404 if request.method in ("GET", "POST") else 405,
+            )
+        try:
+            parsed = parse_request(decode_body(await request.body()), self.spec)
+        except RequestError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return await self._forward("score", parsed)
+
+    async def _forward(self, method: str, argument: ParsedRequest | None) -> Any:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError
+        from starlette.responses import JSONResponse
+
+        handle = getattr(self.models, method)
+        failure: Exception | None = None
+        for _ in range(RETRIES + 1):
+            try:
+                answer = await (handle.remote(argument) if argument is not None else handle.remote())
+                return JSONResponse(answer)
+            except (ActorDiedError, ActorUnavailableError) as error:  # retried on another replica
+                failure = error
+                logger.warning("a model replica failed (%s); retrying", type(error).__name__)
+        return JSONResponse(
+            {"error": f"no model replica could answer ({type(failure).__name__}); retry shortly"},
+            status_code=503,
+        )
+
+
+RETRIES = 1  # a request whose model replica dies is sent once more
+
+
+def application(model_dir: str, options: ServeOptions) -> Any:
+    """The Ray Serve application: `Ingress` in front of ``options.replicas`` `ModelServer` replicas."""
+    models = serve.deployment(
         name="ModelServer",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=max(1024, options.max_batch_rows),  # Serve compares it with the batch size
-    )
+    )(ModelServer).bind(model_dir, options)
+    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+    return ingress(Ingress).bind(model_dir, options, models)
 
 
 def start_serving(model_dir: str, options: ServeOptions, *, address: str | None = None) -> str:
@@ -133,7 +171,7 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
     start_ray(address, num_cpus=cpus)
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(
-        deployment(options).bind(model_dir, options),
+        application(model_dir, options),
         name=APPLICATION,
         route_prefix="/",
         # a log line per request costs the replica and the driver more than scoring a small batch

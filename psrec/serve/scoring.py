@@ -65,6 +65,20 @@ def tables_of(contents: ExportContents) -> dict[str, ServingTable]:
     return out
 
 
+def request_spec_of(serving: dict[str, Any], *, max_rows: int | None = None) -> RequestSpec:
+    """What a request to this export carries (from serving.json alone: no tables or programs)."""
+    kind = serving["kind"]
+    schema = serving_schema(
+        Schema.model_validate(serving["schema"]), kind, sequence_name=serving["model"].get("sequence_name")
+    )
+    candidate_feature: Any = None
+    if kind == "sasrec":
+        candidate_feature = next(f for f in schema.sequences if f.name == "seq")
+    if max_rows is None:
+        return RequestSpec(schema=schema, kind=kind, candidate_feature=candidate_feature)
+    return RequestSpec(schema=schema, kind=kind, candidate_feature=candidate_feature, max_rows=max_rows)
+
+
 class ServingModel:
     """A loaded export (see the module docstring)."""
 
@@ -78,17 +92,7 @@ class ServingModel:
         self.feature_tables: dict[str, str] = serving["feature_tables"]
         self.sequence_tables: dict[str, str] = serving["sequence_tables"]
         self.linear_terms: bool = serving["linear_terms"]
-        sequence_name = self.model_config.get("sequence_name")
-        schema = serving_schema(self.schema, self.kind, sequence_name=sequence_name)
-        candidate_feature: Any = None
-        if self.kind == "sasrec":
-            candidate_feature = next(f for f in schema.sequences if f.name == "seq")
-        spec = RequestSpec(schema=schema, kind=self.kind, candidate_feature=candidate_feature)
-        if max_rows is not None:
-            spec = RequestSpec(
-                schema=schema, kind=self.kind, candidate_feature=candidate_feature, max_rows=max_rows
-            )
-        self.request_spec = spec
+        self.request_spec = request_spec_of(serving, max_rows=max_rows)
         programs = {name: load_program(data, where=name) for name, data in contents.programs.items()}
         self._version = ModelVersion(
             label=serving["version"]["label"],

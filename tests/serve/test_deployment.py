@@ -1,6 +1,7 @@
-"""`psrec serve` on Ray Serve (embedded loopback cluster): scores through HTTP equal the export's,
-bad input is a 4xx naming the field, GET /version names the version, and --follow reflects a newly
-committed checkpoint within 5 s."""
+"""`psrec serve` on Ray Serve (embedded loopback cluster, 2 model replicas): scores through HTTP
+equal the export's, bad input is a 4xx naming the field, GET /version names the version, --follow
+reflects a newly committed checkpoint within 5 s, and a model replica SIGKILLed under load costs no
+request more than a 503 and hangs none."""
 
 from __future__ import annotations
 
@@ -56,10 +57,19 @@ def server(deepfm_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory)
     for ref in refs[2:]:  # committed later, by the test
         shutil.move(str(ref.path), held / ref.path.name)
     export_run(run_dir, root / "model", checkpoint=refs[0].name)
-    options = ServeOptions(port=_free_port(), replicas=1, follow=str(run_dir), poll_seconds=0.2)
+    options = ServeOptions(
+        port=_free_port(), replicas=2, replica_cpus=0.5, follow=str(run_dir), poll_seconds=0.2
+    )
     url = start_serving(str(root / "model"), options)
     try:
-        yield {"url": url, "run_dir": run_dir, "held": held, "refs": refs, "model": root / "model"}
+        yield {
+            "url": url,
+            "run_dir": run_dir,
+            "held": held,
+            "refs": refs,
+            "model": root / "model",
+            "port": options.port,
+        }
     finally:
         stop_serving()
         ray.shutdown()
@@ -121,3 +131,57 @@ def test_http_scores_follow_checkpoints_and_bad_input_is_a_4xx(
         assert answer["field"] == field and field in answer["error"], answer
     code, answer = _post(url, body)  # the replica is still there
     assert code == 200 and answer["version"].endswith(later.checkpoint_id[:8])
+
+
+def test_a_model_replica_killed_under_load_costs_at_most_a_503(
+    server: dict[str, Any], deepfm_run: dict[str, Any]
+) -> None:
+    import http.client
+    import os
+    import signal
+    import threading
+
+    port = server["port"]
+    rows = _raw_rows(deepfm_run["sources"]["validation"]["paths"])[:32]
+    body = json.dumps({"rows": rows}).encode()
+    pids = set()
+    for _ in range(40):
+        with urllib.request.urlopen(server["url"] + "version", timeout=30) as response:
+            pids.add(json.loads(response.read())["replica_pid"])
+        if len(pids) == 2:
+            break
+    assert len(pids) == 2, pids
+    answers: list[tuple[float, int | str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for _ in range(2000):  # bounded; stopped by the event well before
+            if stop.is_set():
+                break
+            sent = time.monotonic()
+            try:
+                connection.request("POST", "/", body=body, headers={"Content-Type": "application/json"})
+                response = connection.getresponse()
+                response.read()
+                answers.append((sent, response.status))
+            except (OSError, http.client.HTTPException) as error:  # a timeout would land here
+                answers.append((sent, type(error).__name__))
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.close()
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    killed = time.monotonic()
+    os.kill(min(pids), signal.SIGKILL)
+    time.sleep(6.0)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads)
+    statuses = [status for _, status in answers]
+    assert set(statuses) <= {200, 503}, sorted(set(map(str, statuses)))
+    after = [status for sent, status in answers if sent > killed + 1.0]
+    assert after and all(status == 200 for status in after[-20:])
