@@ -81,10 +81,15 @@ def wait_for_recovering_pid(directory: Path, *, not_in: list[int], timeout: floa
 
 class Killer:
     """Kills shard `victim` once, during the chunk after step `after`, and then (with `twice`) its
-    replacement while it rebuilds; on a thread, so the kills land mid-chunk."""
+    replacement while it rebuilds; on a thread, so the kills land mid-chunk. With `at_boundary` the
+    kill happens in the progress report itself, so the driver's next call (a checkpoint when
+    `after` is a checkpoint step) meets the dead shard."""
 
-    def __init__(self, runtime: Any, *, victim: int, after: int, twice: bool) -> None:
+    def __init__(
+        self, runtime: Any, *, victim: int, after: int, twice: bool, at_boundary: bool = False
+    ) -> None:
         self.runtime, self.victim, self.after, self.twice = runtime, victim, after, twice
+        self.at_boundary = at_boundary
         self.killed: list[int] = []
         self.errors: list[BaseException] = []
         self.thread: threading.Thread | None = None
@@ -93,13 +98,16 @@ class Killer:
         if report["step"] >= self.after and self.thread is None:
             self.thread = threading.Thread(target=self._kill, daemon=True)
             self.thread.start()
+            if self.at_boundary:
+                self.thread.join(timeout=60)
 
     def _kill(self) -> None:
         import ray
 
         try:
             pid = ray.get(self.runtime.shards[self.victim].pid.remote(), timeout=30)
-            time.sleep(0.05)  # into the next chunk's pulls and pushes
+            if not self.at_boundary:
+                time.sleep(0.05)  # into the next chunk's pulls and pushes
             os.kill(pid, signal.SIGKILL)
             self.killed.append(pid)
             if self.twice:
@@ -127,31 +135,39 @@ def undisturbed(
 
 
 def killed_run(
-    sources: dict[str, Any], run_dir: Path, *, twice: bool, **overrides: Any
+    sources: dict[str, Any],
+    run_dir: Path,
+    *,
+    twice: bool,
+    after: int = 25,
+    at_boundary: bool = False,
+    **overrides: Any,
 ) -> tuple[FinishedRun, Killer, list[int]]:
     from psrec.train.runtime import RayRuntime
 
     config = failover_config(sources, run_dir, **overrides)
     runtime = RayRuntime(config, base_dir=".", data_sources=sources)
     first_pids = [report["pid"] for report in runtime.failover_reports() if report is not None]
-    killer = Killer(runtime, victim=1, after=25, twice=twice)
+    killer = Killer(runtime, victim=1, after=after, twice=twice, at_boundary=at_boundary)
     run = run_to_the_end(config, runtime, progress=killer)
     killer.join()
     assert len(killer.killed) == (2 if twice else 1)
     return run, killer, first_pids
 
 
-def assert_failed_over_alone(run: FinishedRun, killer: Killer, first_pids: list[int], steps: int) -> None:
+def assert_failed_over_alone(
+    run: FinishedRun, killer: Killer, first_pids: list[int], *, base_step: int = 20, trainers: int = 1
+) -> None:
     """No rollback, every row once, shard 0 the same process never restored, shard 1 rebuilt."""
     summary = run.summary
     assert summary["recoveries"] == []  # no rollback: nothing recomputed
-    assert summary["steps"] == steps
-    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == steps * 256
+    assert summary["steps"] == STEPS
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == STEPS * 256 * trainers
     survivor, rebuilt = run.reports
     assert survivor is not None and rebuilt is not None
     assert survivor["pid"] == first_pids[0] and survivor["recovery"] is None and survivor["restores"] == 0
     assert rebuilt["pid"] not in killer.killed + first_pids and rebuilt["restores"] == 0
-    assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] == 20
+    assert rebuilt["recovery"] is not None and rebuilt["recovery"]["base_step"] == base_step
     # the one rebuild that finished (a replacement killed while rebuilding never reports)
     assert [failover["shard"] for failover in summary["failovers"]] == [1]
 
@@ -161,7 +177,7 @@ def test_a_killed_shard_is_rebuilt_alone_and_the_model_is_the_undisturbed_one(
     ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
 ) -> None:
     run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=False)
-    assert_failed_over_alone(run, killer, first_pids, steps=STEPS)
+    assert_failed_over_alone(run, killer, first_pids)
     assert_identical_model(run, undisturbed)
 
 
@@ -171,5 +187,33 @@ def test_a_second_kill_while_the_replacement_rebuilds_costs_no_rollback_either(
     ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
 ) -> None:
     run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=True)
-    assert_failed_over_alone(run, killer, first_pids, steps=STEPS)
+    assert_failed_over_alone(run, killer, first_pids)
     assert_identical_model(run, undisturbed)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_shard_killed_just_before_a_checkpoint_writes_it_after_its_rebuild(
+    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
+) -> None:
+    """The driver's checkpoint calls meet the dead shard: they are sent again once it is back."""
+    run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=False, after=20, at_boundary=True)
+    assert_failed_over_alone(run, killer, first_pids, base_step=0)
+    assert_identical_model(run, undisturbed)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_sync_trainers_with_a_step_half_pushed_lose_nothing(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """Two trainers: the shard may die holding one trainer's push of a step and not the other's."""
+    from psrec.train.runtime import RayRuntime
+
+    config = failover_config(synthetic_sources, tmp_path / "undisturbed", **{"ps.num_trainers": 2})
+    reference = run_to_the_end(config, RayRuntime(config, base_dir=".", data_sources=synthetic_sources))
+    run, killer, first_pids = killed_run(
+        synthetic_sources, tmp_path / "killed", twice=False, **{"ps.num_trainers": 2}
+    )
+    assert_failed_over_alone(run, killer, first_pids, trainers=2)
+    assert_identical_model(run, reference)
