@@ -62,6 +62,7 @@ class LocalRayCluster:
     root: Path
     nodes_wanted: int = 3
     cpus: int = 2
+    units: int = 1  # of the custom resource node<i> each node offers
     environment: dict[str, str] = field(default_factory=dict)  # given to every node (e.g. S3 endpoint)
     nodes: list[Node] = field(default_factory=list)
     port: int = 0
@@ -70,9 +71,14 @@ class LocalRayCluster:
     def address(self) -> str:
         return f"{self.nodes[0].address}:{self.port}"
 
+    # the token file every node and the driver read; None: a fresh one under root. A process keeps
+    # the first token it authenticated with, so a test process that also starts embedded clusters
+    # passes its own (`psrec.train.cluster.token_path()`).
+    token: Path | None = None
+
     @property
     def token_path(self) -> Path:
-        return self.root / "auth_token"
+        return self.token if self.token is not None else self.root / "auth_token"
 
     def client_environment(self) -> dict[str, str]:
         """What a driver needs to join: token authentication and the token file."""
@@ -80,9 +86,10 @@ class LocalRayCluster:
 
     def start(self) -> LocalRayCluster:
         self.root.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as token:
-            token.write(secrets.token_hex(32))
+        if self.token is None:
+            descriptor = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w") as token:
+                token.write(secrets.token_hex(32))
         try:
             for index in range(self.nodes_wanted):
                 try:
@@ -115,7 +122,7 @@ class LocalRayCluster:
             "--block",
             f"--node-ip-address={address}",
             f"--num-cpus={self.cpus}",
-            f'--resources={{"node{index}": 1}}',
+            f'--resources={{"node{index}": {self.units}}}',
             "--disable-usage-stats",
             *[f"{flag}={port}" for flag, port in ports.items()],
         ]

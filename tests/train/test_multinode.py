@@ -50,7 +50,12 @@ def cluster(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
     if ray.is_initialized():
         ray.shutdown()
-    nodes = LocalRayCluster(tmp_path_factory.mktemp("cluster"), nodes_wanted=3, cpus=2)
+    from psrec.train.cluster import token_path, write_private_token
+
+    root = tmp_path_factory.mktemp("cluster")
+    token = token_path() or root / "auth_token"  # this process's token (see LocalRayCluster.token)
+    write_private_token(token)
+    nodes = LocalRayCluster(root, nodes_wanted=3, cpus=2, token=token)
     nodes.environment = s3_server.environment()
     nodes.start()
     saved = {name: os.environ.get(name) for name in nodes.client_environment()}
