@@ -11,6 +11,7 @@
    checkpoint, would hold in memory (pushed bytes per step x `--every`).
 
     python benchmarks/failover_bench.py [--rows 200000] [--every 40] [--steps 200] [--rounds 3]
+    python benchmarks/failover_bench.py --skip-cost --cardinality-scale 0.2   # bigger tables
 
 Timings depend on the machine's load: state it with every figure.
 """
@@ -44,6 +45,7 @@ def run(
     overrides = {
         "run_dir": run_dir,
         "data.synthetic.train_rows": args.rows,
+        "data.synthetic.cardinality_scale": args.cardinality_scale,
         "checkpoint.every_steps": args.every,
         "training.log_every_steps": 5,
         "fault_tolerance.shard_failover": failover,
@@ -84,6 +86,9 @@ def recovery(args: argparse.Namespace, tmp: str) -> None:
             )
             continue
         rebuilt = result["reports"][0]["recovery"]
+        rows = summary["tables"]
+        total_rows = sum(table["rows"] for table in rows.values())
+        print(f"tables: {total_rows:,} rows over 2 shards at the end", flush=True)
         print(
             f"failover: shard 0 killed at step {killed['step']}; serving again "
             f"{rebuilt['ready'] - killed['at']:.1f} s after the kill (Ray restarting the process "
@@ -142,6 +147,9 @@ def main() -> None:
     )
     parser.add_argument("--config", default=str(QUICKSTART))
     parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument(
+        "--cardinality-scale", type=float, default=0.01, help="more distinct ids: bigger tables"
+    )
     parser.add_argument("--every", type=int, default=40)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)

@@ -217,3 +217,16 @@ def test_two_sync_trainers_with_a_step_half_pushed_lose_nothing(
     )
     assert_failed_over_alone(run, killer, first_pids, trainers=2)
     assert_identical_model(run, reference)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_async_trainers_go_on_through_a_shard_failover(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """Async mode: pushes left unacknowledged and pulls prefetched when the shard died are sent again;
+    the run ends without a rollback, every row consumed once, the other shard untouched."""
+    overrides = {"ps.num_trainers": 2, "ps.mode": "async", "ps.staleness": 2}
+    run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=False, **overrides)
+    assert_failed_over_alone(run, killer, first_pids, trainers=2)
+    assert run.summary["validation"]["auc"] > 0.6
