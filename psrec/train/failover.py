@@ -37,12 +37,12 @@ from psrec import checkpoint, storage
 from psrec.checkpoint import CheckpointRef
 from psrec.checkpoint.policy import checkpoint_chain
 from psrec.config import ConfigError, RunConfig
+from psrec.ps.actors import RESEND_ATTEMPTS
 from psrec.ps.replay import RECOVERIES_FILE, prepare_fresh, recoveries
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LOG_DIR = "psrec-push-log"  # under the temporary directory when push_log is not set
-RESEND_ATTEMPTS = 16
 
 
 class ShardFailover:
