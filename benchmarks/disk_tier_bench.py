@@ -140,6 +140,8 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
     """One system's run, in this (fresh) process."""
     rows, dim = args.rows, args.dim
     timings: dict[str, float] = defaultdict(float)
+    zipf = ZipfIds(rows, args.exponent, seed=3)
+    baseline = _rss()["VmRSS"]  # interpreter, numba and NumPy, the id generator: before any row
     if args.system == "memory":
         table: EmbeddingTable = EmbeddingTable("t", dim, optimizer=OPTIMIZER, initial_rows=rows)
         memory_rows = rows
@@ -161,8 +163,6 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         tiered._enforce_budget = _timed(timings, "demotion (victims + write)", tiered._enforce_budget)  # type: ignore[method-assign]
         tiered._promote = _timed(timings, "promotion (read + insert)", tiered._promote)  # type: ignore[method-assign]
         table = tiered
-    zipf = ZipfIds(rows, args.exponent, seed=3)
-    baseline = _rss()["VmRSS"]  # interpreter, numba and NumPy, the id generator: before any row
     started = time.perf_counter()
     chunk = min(200_000, max(memory_rows // 4, 1))
     for start in range(0, rows, chunk):  # every row inserted and updated once
@@ -252,15 +252,20 @@ def run_scale(args: argparse.Namespace) -> None:
         f"unique ids/step, {args.rounds} rounds x {args.steps} steps; load average {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'system':8s} {'ids/s':>10s} {'ids/CPU-s':>10s} {'peak RSS':>9s} {'anon':>7s} {'file':>7s} {'fill s':>7s}"
+        f"{'system':8s} {'ids/s':>10s} {'ids/CPU-s':>10s} {'peak RSS':>9s} {'-base':>7s} {'anon':>7s} "
+        f"{'file':>7s} {'tables':>7s} {'fill s':>7s}"
     )
     for result in results:
         print(
             f"{result['system']:8s} {result['ids_per_second']:10,.0f} {result['ids_per_cpu_second']:10,.0f} "
-            f"{result['VmHWM'] / gib:8.2f}G {result['RssAnon'] / gib:6.2f}G {result['RssFile'] / gib:6.2f}G "
+            f"{result['VmHWM'] / gib:8.2f}G {(result['VmHWM'] - result['baseline_rss']) / gib:6.2f}G "
+            f"{result['RssAnon'] / gib:6.2f}G {result['RssFile'] / gib:6.2f}G {result['table_bytes'] / gib:6.2f}G "
             f"{result['fill_seconds']:7.1f}"
         )
-    print(f"tiered / memory throughput: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x")
+    print(
+        f"tiered / memory: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x ids/s, "
+        f"{tiered['ids_per_cpu_second'] / memory['ids_per_cpu_second']:.2f}x ids per CPU-second"
+    )
     for result in results:
         print(
             f"{result['system']} rounds (s): " + " ".join(f"{value:.2f}" for value in result["round_seconds"])

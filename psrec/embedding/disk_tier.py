@@ -21,8 +21,8 @@ it, a killed shard leaves nothing behind, and a new one starts an empty file (it
 from the checkpoint). The file grows by ``posix_fallocate``, so a full disk is an ``OSError`` naming
 the directory when the tier grows, never a ``SIGBUS`` at a later write. Every read verifies each
 record's checksum; a mismatch (a torn or corrupted record) raises instead of returning the row.
-Once the batches since the last drop have touched ``MAPPED_BYTES_LIMIT`` (64 MiB) of pages, the
-tier drops its mapped pages from the process (``MADV_DONTNEED``: written pages stay in the page
+Once the process's file-backed resident memory has grown by ``MAPPED_BYTES_LIMIT`` (64 MiB) since
+the last drop, the tier drops its mapped pages from the process (``MADV_DONTNEED``: written pages stay in the page
 cache and reach the file), so the slab adds at most that much to the shard's resident memory.
 """
 
@@ -46,7 +46,8 @@ PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 CHECKSUM_SEED = 0xD15C_71E2
 SLAB_GROWTH = 1.5
 MIN_SLOTS = 1024
-PAGE_BYTES = 4096
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+CHUNK_ROWS = 1024  # records moved between two checks of the mapped pages
 MAPPED_BYTES_LIMIT = 64 << 20  # pages the tier may leave mapped (in RSS) before it drops them
 
 
@@ -127,6 +128,12 @@ class RecordLayout:
         return self.checksums(words) != stored
 
 
+def _shared_resident_bytes() -> int:
+    """File-backed and shared resident bytes of this process (the third field of /proc/self/statm)."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[2]) * PAGE_BYTES
+
+
 class DiskTierError(OSError):
     """The disk tier's directory cannot hold its file (missing, not writable, full)."""
 
@@ -173,7 +180,7 @@ class DiskTier:
         self._capacity = 0
         self._map: mmap.mmap | None = None
         self._slab = np.zeros((0, layout.record_bytes), dtype=np.uint8)
-        self._mapped_pages = 0  # pages touched since the last drop (an upper bound)
+        self._mapped_baseline: int | None = None  # file-backed resident bytes after the last drop
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -208,6 +215,7 @@ class DiskTier:
         if self._map is not None:
             self._map.close()
         self._map = mmap.mmap(self._file.fileno(), size, flags=mmap.MAP_SHARED)
+        self._map.madvise(mmap.MADV_RANDOM)  # no readahead, no fault-around: a miss maps its own page
         self._slab = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity, self.layout.record_bytes)
         self._capacity = capacity
 
@@ -215,12 +223,17 @@ class DiskTier:
         """Drop the mapped pages from this process's resident memory (they stay in the page cache)."""
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
-        self._mapped_pages = 0
 
-    def _touched(self, rows: int) -> None:
-        self._mapped_pages += rows * (self.layout.record_bytes // PAGE_BYTES + 2)
-        if self._mapped_pages * PAGE_BYTES >= MAPPED_BYTES_LIMIT:
+    def _touched(self) -> None:
+        """Drop the mapped pages once the process's file-backed resident pages (`/proc/self/statm`,
+        "shared") grew by ``MAPPED_BYTES_LIMIT`` since the last drop: the kernel maps more than the
+        touched records (fault-around), so the count is measured, not estimated."""
+        mapped = _shared_resident_bytes()
+        if self._mapped_baseline is None or mapped < self._mapped_baseline:
+            self._mapped_baseline = mapped
+        elif mapped - self._mapped_baseline >= MAPPED_BYTES_LIMIT:
             self.release_pages()
+            self._mapped_baseline = _shared_resident_bytes()
 
     def close(self) -> None:
         self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)
@@ -262,18 +275,22 @@ class DiskTier:
             self._resident[rewritten] = False
             self._resident_count -= int(rewritten.shape[0])
         order = np.argsort(slots, kind="stable")  # ascending file offsets
-        self._slab[slots[order]] = records[order]
+        for start in range(0, order.shape[0], CHUNK_ROWS):  # mapped pages checked between chunks
+            chunk = order[start : start + CHUNK_ROWS]
+            self._slab[slots[chunk]] = records[chunk]
+            self._touched()
         self._metadata[slots, 0] = values["counts"]
         self._metadata[slots, 1] = values["last_step"]
         self.bytes_written += int(records.nbytes)
-        self._touched(ids.shape[0])
 
     def read(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The rows in `slots` (all >= 0), checksums verified, plus their "ids"."""
         order = np.argsort(slots, kind="stable")
         records = np.empty((slots.shape[0], self.layout.record_bytes), dtype=np.uint8)
-        records[order] = self._slab[slots[order]]
-        self._touched(slots.shape[0])
+        for start in range(0, order.shape[0], CHUNK_ROWS):
+            chunk = order[start : start + CHUNK_ROWS]
+            records[chunk] = self._slab[slots[chunk]]
+            self._touched()
         self.bytes_read += int(records.nbytes)
         bad = self.layout.corrupt(records)
         if bad.any():

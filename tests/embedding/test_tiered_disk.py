@@ -189,3 +189,22 @@ def test_shard_killed_mid_demotion_recovers_from_checkpoint(tmp_path):
     ids = state.ids
     assert restored.pull(ids, train=False).tobytes() == oracle.pull(ids, train=False).tobytes()
     assert restored.export_state().rows.tobytes() == state.rows.tobytes()
+
+
+def test_mapped_slab_pages_stay_bounded(tmp_path, monkeypatch):
+    """The slab's pages mapped into the process are dropped once they pass the limit: reading and
+    writing 40 MiB of records adds less than limit + one chunk's fault-around to resident memory."""
+    import psrec.embedding.disk_tier as disk_tier
+
+    monkeypatch.setattr(disk_tier, "MAPPED_BYTES_LIMIT", 4 << 20)
+    table = TieredTable("items", 64, memory_rows=1000, disk_dir=str(tmp_path), optimizer=OPTIMIZER)
+    before = disk_tier._shared_resident_bytes()
+    peak = before
+    rng = np.random.default_rng(0)
+    for step in range(1, 31):
+        ids = rng.integers(0, 150_000, 5000).astype(np.int64)
+        table.pull(np.unique(ids))
+        table.push(np.unique(ids), np.ones((np.unique(ids).shape[0], 64), np.float32), step=step)
+        peak = max(peak, disk_tier._shared_resident_bytes())
+    assert table._cold.bytes_read + table._cold.bytes_written > 40 << 20
+    assert peak - before < (4 << 20) + disk_tier.CHUNK_ROWS * 64 * 1024
