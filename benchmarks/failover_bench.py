@@ -70,7 +70,7 @@ def run(
 
 
 def recovery(args: argparse.Namespace, tmp: str) -> None:
-    kill_at = args.every * 3 // 2
+    kill_at = args.kill_at if args.kill_at is not None else args.every * 3 // 2
     for failover in (False, True):
         result = run(args, f"{tmp}/recovery-{failover}", failover=failover, kill_at=kill_at)
         summary, killed = result["summary"], result["killed"]
@@ -86,9 +86,8 @@ def recovery(args: argparse.Namespace, tmp: str) -> None:
             )
             continue
         rebuilt = result["reports"][0]["recovery"]
-        rows = summary["tables"]
-        total_rows = sum(table["rows"] for table in rows.values())
-        print(f"tables: {total_rows:,} rows over 2 shards at the end", flush=True)
+        total_rows = sum(table["rows"] for table in summary["tables"].values())
+        print(f"tables: {total_rows:,} rows over 2 shards at the end of the run", flush=True)
         print(
             f"failover: shard 0 killed at step {killed['step']}; serving again "
             f"{rebuilt['ready'] - killed['at']:.1f} s after the kill (Ray restarting the process "
@@ -152,6 +151,7 @@ def main() -> None:
     )
     parser.add_argument("--every", type=int, default=40)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--kill-at", type=int, default=None, help="step of the kill (default 1.5 x --every)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")

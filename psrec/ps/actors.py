@@ -195,13 +195,13 @@ class RayConnection:
 
     def result_of(self, pending: _RayPending) -> Any:
         import ray
-        from ray.exceptions import ActorUnavailableError
+        from ray.exceptions import RayActorError
 
         for attempt in range(RESEND_ATTEMPTS + 1):
             try:
                 value = ray.get(pending.ref)
-            except ActorUnavailableError:
-                if attempt == RESEND_ATTEMPTS:
+            except RayActorError as error:
+                if attempt == RESEND_ATTEMPTS or not restarting(self.actor, error):
                     raise
                 self._resend_failed()
                 continue
@@ -214,13 +214,13 @@ class RayConnection:
         """Wait until every kept call has an answer or has failed, then send the failed ones again, in
         their submission order (a restarted shard executes one caller's calls in that order)."""
         import ray
-        from ray.exceptions import ActorUnavailableError
+        from ray.exceptions import RayActorError
 
         failed = []
         for pending in self._outstanding:
             try:
                 ray.get(pending.ref)
-            except ActorUnavailableError:
+            except RayActorError:
                 failed.append(pending)
             except Exception:  # noqa: BLE001 - its own error is raised when its result is asked for
                 continue
@@ -229,6 +229,29 @@ class RayConnection:
         for pending in failed:
             pending.resend()
             self.resent += 1
+
+
+# How long a caller waits for a shard that Ray is restarting to answer again.
+RESTART_WAIT_S = 600.0
+
+
+def restarting(actor: Any, error: BaseException) -> bool:
+    """Whether a call failed because `actor` is being restarted (or already was), not dead for good.
+
+    `ActorUnavailableError` says so; an `ActorDiedError` may also reach calls in flight while Ray
+    restarts the actor, so the actor is asked for its pid: it answers once it is back, and a call to
+    an actor dead for good fails at once.
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    if isinstance(error, ActorUnavailableError):
+        return True
+    try:
+        ray.get(actor.pid.remote(), timeout=RESTART_WAIT_S)
+    except (RayActorError, GetTimeoutError):
+        return False
+    return True
 
 
 def actor_location() -> dict[str, Any]:

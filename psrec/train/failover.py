@@ -37,7 +37,7 @@ from psrec import checkpoint, storage
 from psrec.checkpoint import CheckpointRef
 from psrec.checkpoint.policy import checkpoint_chain
 from psrec.config import ConfigError, RunConfig
-from psrec.ps.actors import RESEND_ATTEMPTS
+from psrec.ps.actors import RESEND_ATTEMPTS, restarting
 from psrec.ps.replay import RECOVERIES_FILE, prepare_fresh, recoveries
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def call_shards(shards: list[Any], method: str, *args: Any) -> list[Any]:
     """`ShardActor.<method>(*args)` on every shard, in parallel; a call that a restarting shard did
     not answer is sent again once it is back (these driver calls are idempotent)."""
     import ray
-    from ray.exceptions import ActorUnavailableError
+    from ray.exceptions import RayActorError
 
     refs = [getattr(shard, method).remote(*args) for shard in shards]
     results: list[Any] = [None] * len(shards)
@@ -137,8 +137,8 @@ def call_shards(shards: list[Any], method: str, *args: Any) -> list[Any]:
             try:
                 results[index] = ray.get(refs[index])
                 break
-            except ActorUnavailableError:
-                if attempt == RESEND_ATTEMPTS:
+            except RayActorError as error:
+                if attempt == RESEND_ATTEMPTS or not restarting(shard, error):
                     raise
                 logger.warning("shard %d unavailable: sending %s again once it is back", index, method)
                 refs[index] = getattr(shard, method).remote(*args)
