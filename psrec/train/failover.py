@@ -8,9 +8,9 @@ With ``fault_tolerance.shard_failover`` the Ray runtime creates its shard actors
 2. when a shard's process dies, Ray starts it again with the same arguments; the new process finds
    the log, loads only its own file of the log's checkpoint chain and replays the log, before it
    answers any call;
-3. the trainers' calls that the dead process did not answer fail with `ActorUnavailableError`;
-   each trainer's connection sends them again, in order (`psrec.ps.actors.RayConnection`), and
-   waits: request ids make the repeats idempotent. The driver's own calls to the shards (checkpoint
+3. the trainers' calls that the dead process did not answer fail (`ActorUnavailableError`, or
+   `ActorDiedError` until Ray has it back); each trainer's connection sends them again, in order
+   (`psrec.ps.actors.RayConnection`), and waits: request ids make the repeats idempotent. The driver's own calls to the shards (checkpoint
    files, stats, learning rates) are sent again the same way (`call_shards`).
 
 The other shards and the trainers keep their state; no step is recomputed. When a shard cannot come
