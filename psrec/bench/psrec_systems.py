@@ -288,6 +288,7 @@ def run_psrec(
     Defaults: the in-process runtime with 2 shards (`PsrecLayout()`), fp32 throughout (`PsrecOptions()`).
     """
     from psrec.config import parse_config
+    from psrec.train.cluster import start_ray
     from psrec.train.loop import train
 
     del sources  # train() prepares (finds the cached) data from the config itself
@@ -305,17 +306,8 @@ def run_psrec(
             import ray
 
             owns_ray = not ray.is_initialized()  # tests bring their own cluster
-            if owns_ray:
-                env = {"OMP_WAIT_POLICY": "PASSIVE"} if layout.omp_passive else {}
-                ray.init(
-                    address="local",
-                    num_cpus=4,
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                    _node_ip_address="127.0.0.1",
-                    runtime_env={"env_vars": env} if env else None,
-                )
+            if owns_ray:  # the embedded cluster as `psrec train` starts it: loopback only, token auth
+                start_ray(None, num_cpus=4, log_to_driver=False, omp_passive=layout.omp_passive)
             started = time.perf_counter()
             try:
                 with _ActorRssPoller() as poller:

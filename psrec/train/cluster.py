@@ -42,9 +42,13 @@ def required_cpus(config: RunConfig) -> float:
     return ps.num_trainers * ps.trainer_resources.num_cpus + shards * ps.shard_resources.num_cpus
 
 
-def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+def start_ray(
+    address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True, omp_passive: bool = True
+) -> None:
     """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable
-    or, for `address`, if no authentication token is found."""
+    or, for `address`, if no authentication token is found. omp_passive: the workers' OpenMP threads
+    sleep when idle (OMP_WAIT_POLICY=PASSIVE unless this process sets it); False leaves OpenMP's own
+    default (the benchmarks compare both)."""
     import ray
 
     if ray.is_initialized():
@@ -60,12 +64,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver
         "log_to_driver": log_to_driver,
         "configure_logging": False,
         # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
-        "runtime_env": {
-            "env_vars": {
-                "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-                **malloc_environment(),
-            }
-        },
+        "runtime_env": {"env_vars": {**_wait_policy(omp_passive), **malloc_environment()}},
     }
     try:
         if address is None:
@@ -85,6 +84,12 @@ def start_ray(address: str | None, *, num_cpus: int | None = None, log_to_driver
             f"ps.address: could not start or join {where}: {error}. Check the address (ray status on the "
             "head node prints it) or leave ps.address empty to run on this machine."
         ) from None
+
+
+def _wait_policy(passive: bool) -> dict[str, str]:
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {"OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}
 
 
 def _loopback_address(address: str) -> bool:

@@ -6,6 +6,7 @@ Run: `python -m pytest tests/bench/test_psrec_systems.py -q` (a few seconds; no 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -89,3 +90,36 @@ def test_psrec_timed_window_includes_the_drivers_work_between_chunks(
     # Two timed chunks of one step, each followed by 0.2 s of driver work before its report.
     assert run["timed_seconds"] - run["timed_train_steps_seconds"] >= 0.35
     assert run["samples_per_second"] <= run["timed_samples"] / 0.4
+
+
+class _StopBeforeStarting(Exception):
+    pass
+
+
+def test_the_bench_starts_ray_as_psrec_train_does_on_loopback_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ray bench run must not start a cluster listening on every interface: it goes through
+    `start_ray(None)` (node address 127.0.0.1 in Ray's single-machine mode, token authentication)."""
+    import ray
+    from ray._private import ray_constants
+
+    from psrec.bench.psrec_systems import PsrecLayout, run_psrec
+    from tests.bench.test_bench import tiny_workload
+
+    if ray.is_initialized():
+        pytest.skip("a Ray cluster is already running in this process")
+    seen: dict[str, object] = {}
+
+    def fake_init(**kwargs: object) -> None:
+        seen.update(
+            kwargs, single_machine=not ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE")
+        )
+        raise _StopBeforeStarting
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    with pytest.raises(_StopBeforeStarting):
+        run_psrec(tiny_workload(tmp_path), {}, layout=PsrecLayout("ray"))
+    assert seen["_node_ip_address"] == "127.0.0.1"
+    assert seen["single_machine"] is True  # else Ray swaps 127.0.0.1 for the host's address
+    assert seen["auth"] == "token"
