@@ -170,6 +170,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         table.pull(ids)
         table.push(ids, np.full((ids.shape[0], dim), 0.01, dtype=np.float32), step=1)
     fill_seconds = time.perf_counter() - started
+    peak_after_fill = _rss()["VmHWM"]
     rng = np.random.default_rng(4)
     grad = rng.standard_normal((args.batch, dim), dtype=np.float32)
     step = 1
@@ -203,6 +204,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         "unique_ids_per_step": ids_per_round / args.steps,
         "table_bytes": table.memory_bytes()["total"],
         "baseline_rss": baseline,
+        "peak_after_fill": peak_after_fill,
         **_rss(),
     }
     if isinstance(table, TieredTable):
@@ -261,6 +263,10 @@ def run_scale(args: argparse.Namespace) -> None:
             f"{result['VmHWM'] / gib:8.2f}G {(result['VmHWM'] - result['baseline_rss']) / gib:6.2f}G "
             f"{result['RssAnon'] / gib:6.2f}G {result['RssFile'] / gib:6.2f}G {result['table_bytes'] / gib:6.2f}G "
             f"{result['fill_seconds']:7.1f}"
+        )
+    for result in results:
+        print(
+            f"{result['system']}: peak RSS when filled {result['peak_after_fill'] / gib:.2f}G, baseline {result['baseline_rss'] / gib:.2f}G"
         )
     print(
         f"tiered / memory: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x ids/s, "

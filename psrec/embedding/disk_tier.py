@@ -215,7 +215,6 @@ class DiskTier:
         if self._map is not None:
             self._map.close()
         self._map = mmap.mmap(self._file.fileno(), size, flags=mmap.MAP_SHARED)
-        self._map.madvise(mmap.MADV_RANDOM)  # no readahead, no fault-around: a miss maps its own page
         self._slab = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity, self.layout.record_bytes)
         self._capacity = capacity
 
