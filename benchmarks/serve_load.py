@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0, help="the server's --batch-wait-ms")
+    parser.add_argument("--batch-wait-ms", type=float, default=1.0, help="the server's --batch-wait-ms")
     parser.add_argument("--save-rows", help="also write the request rows here (JSON, for --rows)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()

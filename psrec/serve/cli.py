@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--follow", metavar="RUN_DIR", help="apply each new checkpoint of this run")
     serve.add_argument("--poll-seconds", type=float, default=0.5, help="how often --follow looks (0.5)")
     serve.add_argument("--max-batch-rows", type=int, default=4096, help="rows batched into one forward")
-    serve.add_argument("--batch-wait-ms", type=float, default=5.0, help="longest wait to fill a batch")
+    serve.add_argument("--batch-wait-ms", type=float, default=1.0, help="longest wait to fill a batch (1)")
     serve.set_defaults(func=run_serve)
 
 

@@ -48,7 +48,7 @@ class ServeOptions:
     replica_cpus: float = 1.0
     threads: int = 1  # torch threads per replica
     max_batch_rows: int = 4096
-    batch_wait_seconds: float = 0.005
+    batch_wait_seconds: float = 0.001
     max_request_rows: int = DEFAULT_MAX_ROWS
     follow: str | None = None
     poll_seconds: float = 0.5

@@ -79,3 +79,23 @@ def sasrec_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     config = sasrec_config(root / "run", data)
     train(config)
     return {"config": config, "run_dir": root / "run", "data": data}
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``exported(run_dir, precision=..., checkpoint=...)``: an export directory, written once per
+    session for each (run, checkpoint, precision); tests must not modify it."""
+    from psrec.serve.export import export_run
+
+    root = tmp_path_factory.mktemp("exports")
+    cache: dict[tuple[str, str, str | None], Path] = {}
+
+    def export(run_dir: Path, *, precision: str = "fp32", checkpoint: str | None = None) -> Path:
+        key = (str(run_dir), precision, checkpoint)
+        if key not in cache:
+            out = root / f"export-{len(cache)}"
+            export_run(run_dir, out, precision=precision, checkpoint=checkpoint)
+            cache[key] = out
+        return cache[key]
+
+    return export

@@ -23,7 +23,7 @@ from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
 from tests.serve.test_export import _raw_rows
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # Ray + Serve start-up: about a minute here
 
 
 def _free_port() -> int:

@@ -14,9 +14,10 @@ import torch
 from psrec import checkpoint
 from psrec.data.sequences import evaluation_batches, load_interactions
 from psrec.serve.export import ProgramInput, example_inputs, export_programs, export_run
-from psrec.serve.model_dir import MODEL_FILE, ExportError, load_program
+from psrec.serve.model_dir import MODEL_FILE, ExportContents, ExportError, load_program, read_model_dir
 from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
+from psrec.serve.tables import ServingTable, TableSource
 from psrec.train import builders
 from psrec.train.metrics import auc
 from psrec.train.runtime import LocalRuntime
@@ -131,7 +132,7 @@ def _served_scores(model: ServingModel, rows: list[dict[str, Any]], chunk: int =
 
 
 def test_deepfm_served_scores_equal_the_trainers_evaluation(
-    deepfm_run: dict[str, Any], tmp_path: Path
+    deepfm_run: dict[str, Any], exported: Any
 ) -> None:
     refs = checkpoint.list_checkpoints(deepfm_run["run_dir"])
     kinds = [ref.kind for ref in refs]
@@ -141,10 +142,8 @@ def test_deepfm_served_scores_equal_the_trainers_evaluation(
     expected = _trainer_scores(deepfm_run, delta)
     results = {}
     for precision in ("fp32", "fp16", "int8"):
-        out = tmp_path / precision
-        info = export_run(deepfm_run["run_dir"], out, precision=precision, checkpoint=delta.name)
-        assert info["version"]["checkpoint"] == delta.name
-        model = ServingModel.load(out)
+        model = ServingModel.load(exported(deepfm_run["run_dir"], precision=precision, checkpoint=delta.name))
+        assert model.version.info["checkpoint"] == delta.name
         results[precision] = _served_scores(model, rows)
     labels = expected["labels"]
     assert results["fp32"].shape == expected["scores"].shape
@@ -157,7 +156,7 @@ def test_deepfm_served_scores_equal_the_trainers_evaluation(
 
 
 def test_sasrec_served_logits_equal_the_trainers_evaluation(
-    sasrec_run: dict[str, Any], tmp_path: Path
+    sasrec_run: dict[str, Any], exported: Any
 ) -> None:
     config = sasrec_run["config"]
     refs = checkpoint.list_checkpoints(sasrec_run["run_dir"])
@@ -190,8 +189,7 @@ def test_sasrec_served_logits_equal_the_trainers_evaluation(
             )
     aucs = {}
     for precision in ("fp32", "fp16", "int8"):
-        export_run(sasrec_run["run_dir"], tmp_path / precision, precision=precision)
-        model = ServingModel.load(tmp_path / precision)
+        model = _at_precision(exported(sasrec_run["run_dir"]), precision)
         request = parse_request({"rows": rows, "k": 101}, model.request_spec)
         logits = model.candidate_logits(request.batch, np.stack(request.candidates or []))
         if precision == "fp32":
@@ -201,6 +199,25 @@ def test_sasrec_served_logits_equal_the_trainers_evaluation(
     assert reference > 0.6
     for precision in ("fp16", "int8"):
         assert abs(aucs[precision] - reference) < 5e-4, (precision, aucs, reference)
+
+
+def _at_precision(model_dir: Path, precision: str) -> ServingModel:
+    """The export's model with its tables rounded to ``precision`` as `psrec export --precision`
+    rounds them (`ServingTable.from_values`), without exporting the programs again."""
+    contents = read_model_dir(model_dir)
+    tables = {}
+    for name, arrays in contents.tables.items():
+        source = TableSource(
+            **{k: contents.serving["tables"][name][k] for k in ("dim", "seed", "initializer", "precision")}
+        )
+        table = ServingTable.from_arrays(name, arrays, source=source, precision="fp32")
+        tables[name] = ServingTable.from_values(
+            name, table.ids, table.values(), source=source, precision=precision
+        )
+    serving = {**contents.serving, "precision": precision}
+    return ServingModel(
+        ExportContents(serving, contents.programs, {n: t.to_arrays() for n, t in tables.items()})
+    )
 
 
 def _ranking_auc(logits: np.ndarray) -> float:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from psrec import checkpoint
-from psrec.serve.export import export_run
 from psrec.serve.follow import DeltaFollower, next_checkpoint
 from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
@@ -29,42 +28,34 @@ def _scores(model: ServingModel, rows: list[dict[str, Any]]) -> tuple[str, np.nd
     return out["version"], np.asarray(out["scores"])
 
 
-def _reference(run_dir: Path, name: str, out: Path, rows: list[dict[str, Any]]) -> np.ndarray:
-    export_run(run_dir, out, checkpoint=name)
-    return _scores(ServingModel.load(out), rows)[1]
-
-
 def test_following_applies_each_checkpoint_as_its_own_export(
-    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], tmp_path: Path
+    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], exported: Any
 ) -> None:
     run_dir = deepfm_run["run_dir"]
     refs = checkpoint.list_checkpoints(run_dir)
     assert [ref.kind for ref in refs][:2] == ["full", "delta"]
-    export_run(run_dir, tmp_path / "served", checkpoint=refs[0].name)
-    model = ServingModel.load(tmp_path / "served")
+    model = ServingModel.load(exported(run_dir, checkpoint=refs[0].name))
     follower = DeltaFollower(model, run_dir)
-    for index, ref in enumerate(refs[1:], start=1):
+    for ref in refs[1:]:
         label = follower.poll()
         assert label is not None and label.endswith(ref.checkpoint_id[:8]), (label, ref.name)
         version, served = _scores(model, rows)
         assert version == label
-        expected = _reference(run_dir, ref.name, tmp_path / f"ref-{index}", rows)
+        expected = _scores(ServingModel.load(exported(run_dir, checkpoint=ref.name)), rows)[1]
         np.testing.assert_allclose(served, expected, rtol=0, atol=1e-6)
     assert follower.poll() is None  # nothing newer
 
 
 def test_a_request_is_scored_by_one_version_while_versions_swap(
-    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], tmp_path: Path
+    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], exported: Any
 ) -> None:
     run_dir = deepfm_run["run_dir"]
     refs = checkpoint.list_checkpoints(run_dir)
     expected = {}
-    for index, ref in enumerate(refs):
-        export_run(run_dir, tmp_path / f"ref-{index}", checkpoint=ref.name)
-        model = ServingModel.load(tmp_path / f"ref-{index}")
-        label, scores = _scores(model, rows)
+    for ref in refs:
+        label, scores = _scores(ServingModel.load(exported(run_dir, checkpoint=ref.name)), rows)
         expected[label] = scores
-    served = ServingModel.load(tmp_path / "ref-0")
+    served = ServingModel.load(exported(run_dir, checkpoint=refs[0].name))
     follower = DeltaFollower(served, run_dir)
     seen: list[tuple[str, np.ndarray]] = []
     done = threading.Event()
@@ -90,13 +81,12 @@ def test_a_request_is_scored_by_one_version_while_versions_swap(
 
 
 def test_a_corrupt_delta_is_not_applied_and_the_previous_version_keeps_serving(
-    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], tmp_path: Path
+    deepfm_run: dict[str, Any], rows: list[dict[str, Any]], tmp_path: Path, exported: Any
 ) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(deepfm_run["run_dir"], run_dir)
     refs = checkpoint.list_checkpoints(run_dir)
-    export_run(run_dir, tmp_path / "served", checkpoint=refs[0].name)
-    model = ServingModel.load(tmp_path / "served")
+    model = ServingModel.load(exported(deepfm_run["run_dir"], checkpoint=refs[0].name))
     before = _scores(model, rows)
     shard = refs[1].path / "shard-0.npz"
     data = bytearray(shard.read_bytes())
