@@ -90,6 +90,7 @@ class Killer:
     ) -> None:
         self.runtime, self.victim, self.after, self.twice = runtime, victim, after, twice
         self.at_boundary = at_boundary
+        self.trainer = False  # kill trainer `victim` instead of a shard
         self.killed: list[int] = []
         self.errors: list[BaseException] = []
         self.thread: threading.Thread | None = None
@@ -105,7 +106,8 @@ class Killer:
         import ray
 
         try:
-            pid = ray.get(self.runtime.shards[self.victim].pid.remote(), timeout=30)
+            actors = self.runtime.trainers if self.trainer else self.runtime.shards
+            pid = ray.get(actors[self.victim].pid.remote(), timeout=30)
             if not self.at_boundary:
                 time.sleep(0.05)  # into the next chunk's pulls and pushes
             os.kill(pid, signal.SIGKILL)
@@ -230,3 +232,24 @@ def test_async_trainers_go_on_through_a_shard_failover(
     run, killer, first_pids = killed_run(synthetic_sources, tmp_path, twice=False, **overrides)
     assert_failed_over_alone(run, killer, first_pids, trainers=2)
     assert run.summary["validation"]["auc"] > 0.6
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_trainer_still_rolls_back_exactly_with_logged_shards(
+    ray_cluster: None, synthetic_sources: dict[str, Any], undisturbed: FinishedRun, tmp_path: Path
+) -> None:
+    """Trainer death is a rollback: the logged shards are restored from the checkpoint (a new log
+    segment on it) and the replayed steps end with the undisturbed model."""
+    from psrec.train.runtime import RayRuntime
+
+    config = failover_config(synthetic_sources, tmp_path)
+    runtime = RayRuntime(config, base_dir=".", data_sources=synthetic_sources)
+    killer = Killer(runtime, victim=0, after=25, twice=False)
+    killer.trainer = True
+    run = run_to_the_end(config, runtime, progress=killer)
+    killer.join()
+    assert [recovery["restored_step"] for recovery in run.summary["recoveries"]] == [20]
+    assert run.summary["failovers"] == []
+    assert all(report is not None and report["restores"] == 1 for report in run.reports)
+    assert_identical_model(run, undisturbed)
