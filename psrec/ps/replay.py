@@ -112,6 +112,7 @@ class LoggedShard:
         self.restores = 0  # restores the driver asked for (a rollback or a resume)
         self.recovery: dict[str, Any] | None = None  # how this process rebuilt the shard, if it did
         self._restored = 0.0  # when the checkpoint chain was loaded, during a recovery
+        self._snapshot_files: set[str] = set()  # snapshot tags whose file holds the current snapshot
         self.bucket_map: list[int] | None = None  # the layout given at the last restore (None: as written)
 
     # -- opening: fresh or recovered --------------------------------------------------------------
@@ -172,6 +173,7 @@ class LoggedShard:
             self.last_pull = {caller: int(n) for caller, n in base["last_pull"].items()}
             for tag in base["snapshots"]:
                 self.shard.load_snapshot_arrays(tag, read_arrays(self._snapshot_path(tag)))
+                self._snapshot_files.add(tag)
             if base.get("needs_full_checkpoint"):
                 self.shard.needs_full_checkpoint = True
         elif base["kind"] != "fresh":
@@ -193,6 +195,8 @@ class LoggedShard:
                 int(meta["trainer"]), int(meta["request"]), int(meta["step"]), _gradients(record)
             )
         if record.op == "call":
+            if meta["method"] == "save_snapshot":
+                self._snapshot_files.discard(meta["args"][0])
             return getattr(self.shard, meta["method"])(*meta["args"])
         raise PushLogError(f"{self.log.directory}: unknown operation {record.op!r}")
 
@@ -251,7 +255,9 @@ class LoggedShard:
         recreate them)."""
         tags = self.shard.snapshot_tags()
         for tag in tags:
-            write_arrays(self._snapshot_path(tag), self.shard.snapshot_arrays(tag))
+            if tag not in self._snapshot_files:  # taken since its file was written (or never written)
+                write_arrays(self._snapshot_path(tag), self.shard.snapshot_arrays(tag))
+                self._snapshot_files.add(tag)
         base = {
             "kind": "checkpoint",
             "chain": [ref_to_json(ref) for ref in chain],

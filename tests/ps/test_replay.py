@@ -162,8 +162,18 @@ def test_a_shard_rebuilt_between_checkpoints_equals_the_one_never_lost(tmp_path:
     for step in range(9, 11):
         twin.step(step)
     assert_same(twin.rebuild().shard, twin.oracle)
+    snapshot_file = twin.log_dir / "snapshot-best.npz"
+    written = snapshot_file.stat().st_mtime_ns
     twin.checkpoint(11, "delta")
+    assert snapshot_file.stat().st_mtime_ns == written  # unchanged since: not written again
     twin.step(11)
+    twin.call("restore_snapshot", "best")
+    assert_same(twin.rebuild().shard, twin.oracle)
+    twin.call("save_snapshot", "best")  # a newer snapshot: its file is written at the next checkpoint
+    twin.step(12)
+    twin.checkpoint(13, "full")  # after a restored snapshot a full one is due
+    assert snapshot_file.stat().st_mtime_ns != written
+    twin.step(13)
     twin.call("restore_snapshot", "best")
     assert_same(twin.rebuild().shard, twin.oracle)
 
