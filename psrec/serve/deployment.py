@@ -8,13 +8,13 @@ Endpoints: ``POST /`` scores rows (`psrec.serve.requests` describes the body; th
 ``{"version": ..., "scores": [...]}`` or, for SASRec, ``{"version", "items", "scores"}`` top-k per
 row); ``GET /version`` names the served version and the features a row carries.
 
-The `Ingress` deployment takes the HTTP requests and validates them (a bad one gets its own 4xx
-and never reaches a model replica, nor fails its neighbours), then hands them to one of the
-``replicas`` `ModelServer` replicas; a request whose model replica dies is retried once on another,
-and answered 503 when that fails too. Every model replica loads the export itself and batches
-concurrent requests (``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or
+Every replica (`ModelServer`) loads the export itself, validates each request (a bad one gets
+its own 4xx and never joins a batch, so it cannot fail its neighbours), and batches concurrent
+requests (``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or
 ``batch_wait_seconds`` of waiting, whichever comes first) into one lookup and one forward pass.
-With ``follow`` each model replica runs a `psrec.serve.follow.DeltaFollower`.
+With ``follow`` each replica runs a `psrec.serve.follow.DeltaFollower`. A replica that dies takes
+its requests in flight with it (Ray Serve's proxy answers them 500); Serve routes the next ones to
+the other replicas and starts a replacement.
 
 HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
 (`psrec.train.cluster.start_ray`).
@@ -81,6 +81,24 @@ class ModelServer:
     async def score(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
         return self.model.score_requests(requests)
 
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        # the path below the app's route prefix (Serve passes the prefix as the ASGI root_path)
+        path = request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
+        if request.method == "GET" and path in ("/version", ""):
+            return JSONResponse(self.describe())
+        if request.method != "POST" or path not in ("", "/score"):
+            return JSONResponse(
+                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
+                status_code=404 if request.method in ("GET", "POST") else 405,
+            )
+        try:
+            parsed = parse_request(decode_body(await request.body()), self.model.request_spec)
+        except RequestError as error:  # answered here: a bad request never joins a batch
+            return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(await self.score(parsed))
+
     def describe(self) -> dict[str, Any]:
         version = self.model.version
         return {
@@ -98,66 +116,14 @@ class ModelServer:
             self.follower.stop()  # type: ignore[union-attr]
 
 
-class Ingress:
-    """The HTTP side: validates each request (a bad one never reaches a model replica), hands it to
-    a model replica, and retries once on another when that replica dies; then answers 503."""
-
-    def __init__(self, model_dir: str, options: ServeOptions, models: Any) -> None:
-        from psrec.serve.model_dir import read_serving
-        from psrec.serve.scoring import request_spec_of
-
-        self.spec = request_spec_of(read_serving(model_dir), max_rows=options.max_request_rows)
-        self.models = models
-
-    async def __call__(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
-
-        path = request.url.path.rstrip("/")
-        if request.method == "GET" and path in ("/version", ""):
-            return await self._forward("describe", None)
-        if request.method != "POST" or path not in ("", "/score"):
-            return JSONResponse(
-                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
-                status_code=404 if request.method in ("GET", "POST") else 405,
-            )
-        try:
-            parsed = parse_request(decode_body(await request.body()), self.spec)
-        except RequestError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return await self._forward("score", parsed)
-
-    async def _forward(self, method: str, argument: ParsedRequest | None) -> Any:
-        from ray.exceptions import ActorDiedError, ActorUnavailableError
-        from starlette.responses import JSONResponse
-
-        handle = getattr(self.models, method)
-        failure: Exception | None = None
-        for _ in range(RETRIES + 1):
-            try:
-                answer = await (handle.remote(argument) if argument is not None else handle.remote())
-                return JSONResponse(answer)
-            except (ActorDiedError, ActorUnavailableError) as error:  # retried on another replica
-                failure = error
-                logger.warning("a model replica failed (%s); retrying", type(error).__name__)
-        return JSONResponse(
-            {"error": f"no model replica could answer ({type(failure).__name__}); retry shortly"},
-            status_code=503,
-        )
-
-
-RETRIES = 1  # a request whose model replica dies is sent once more
-
-
 def application(model_dir: str, options: ServeOptions) -> Any:
-    """The Ray Serve application: `Ingress` in front of ``options.replicas`` `ModelServer` replicas."""
-    models = serve.deployment(
+    """The Ray Serve application: ``options.replicas`` `ModelServer` replicas behind Serve's proxy."""
+    return serve.deployment(
         name="ModelServer",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=max(1024, options.max_batch_rows),  # Serve compares it with the batch size
     )(ModelServer).bind(model_dir, options)
-    ingress = serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
-    return ingress(Ingress).bind(model_dir, options, models)
 
 
 def start_serving(model_dir: str, options: ServeOptions, *, address: str | None = None) -> str:

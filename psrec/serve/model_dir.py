@@ -208,13 +208,6 @@ def read_file_checked(model_dir: Location, manifest: dict[str, Any], name: str) 
     return data
 
 
-def read_serving(model_dir: str | os.PathLike[str] | StoragePath) -> dict[str, Any]:
-    """Only serving.json of an export (verified against its manifest): what requests carry."""
-    root = location(model_dir)
-    serving: dict[str, Any] = json.loads(read_file_checked(root, read_manifest(root), SERVING_FILE))
-    return serving
-
-
 def read_model_dir(model_dir: str | os.PathLike[str] | StoragePath) -> ExportContents:
     """Verify and read an export (every file's checksum first)."""
     root = location(model_dir)

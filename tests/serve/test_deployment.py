@@ -1,7 +1,7 @@
 """`psrec serve` on Ray Serve (embedded loopback cluster, 2 model replicas): scores through HTTP
 equal the export's, bad input is a 4xx naming the field, GET /version names the version, --follow
-reflects a newly committed checkpoint within 5 s, and a model replica SIGKILLed under load costs no
-request more than a 503 and hangs none."""
+reflects a newly committed checkpoint within 5 s, and a replica SIGKILLed under load fails at most
+the requests it had in flight, hangs none, and the other replica answers the rest."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_http_scores_follow_checkpoints_and_bad_input_is_a_4xx(
     assert code == 200 and answer["version"].endswith(later.checkpoint_id[:8])
 
 
-def test_a_model_replica_killed_under_load_costs_at_most_a_503(
+def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(
     server: dict[str, Any], deepfm_run: dict[str, Any]
 ) -> None:
     import http.client
@@ -181,7 +181,9 @@ def test_a_model_replica_killed_under_load_costs_at_most_a_503(
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
-    statuses = [status for _, status in answers]
-    assert set(statuses) <= {200, 503}, sorted(set(map(str, statuses)))
-    after = [status for sent, status in answers if sent > killed + 1.0]
-    assert after and all(status == 200 for status in after[-20:])
+    failed = [(sent, status) for sent, status in answers if status != 200]
+    # only requests in flight at the kill (at most one per client) fail, with Ray Serve's 500
+    assert len(failed) <= len(threads), failed
+    assert all(status == 500 and sent <= killed for sent, status in failed), failed
+    after = [status for sent, status in answers if sent > killed]
+    assert len(after) > 20 and all(status == 200 for status in after)
