@@ -37,7 +37,7 @@ Inputs (``ModelInput.sequences``, all pulled from the same item table):
   or ``(B, N)``.
 
 Stages (``stages()``): `SASRecEmbedding` (ModelInput -> {"hidden", "mask", and pass-through "pos",
-"neg", "candidates"}), the `TransformerStack`, `SASRecHead` (final layer norm and the dot products ->
+"neg", "negatives", "candidates"}), the `TransformerStack`, `SASRecHead` (final layer norm and the dot products ->
 {"hidden", "pos_logits", "neg_logits", "negatives_logits" (B, L, N), "candidate_logits"} for whatever
 inputs were given).
 """
