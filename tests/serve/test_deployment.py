@@ -111,6 +111,7 @@ def test_http_scores_follow_checkpoints_and_bad_input_is_a_4xx(
     committed = time.monotonic()
     (server["held"] / later.path.name).rename(later.path)
     reflected, answer = _wait_for_label(url, body, later.checkpoint_id[:8], committed + 5.0)
+    print(f"commit -> first response reflecting it: {reflected - committed:.2f} s")  # shown with -s
     assert reflected - committed < 5.0
 
     good = dict(rows[0])
