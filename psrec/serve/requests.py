@@ -145,6 +145,11 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
         }
     )
     batch = table_to_batch(spec.schema, prepare_table(spec.schema, table))
+    if spec.kind == "sasrec":  # the model reads the last position of the history: it needs one
+        for name, padded in batch.sequences.items():
+            empty = np.flatnonzero(~padded.mask.any(axis=1))
+            if empty.size:
+                raise RequestError(f"rows[{int(empty[0])}].{name}", "is empty: give at least one item")
     candidates, values = _candidates(rows, spec)
     return ParsedRequest(batch=batch, candidates=candidates, candidate_values=values, k=k)
 

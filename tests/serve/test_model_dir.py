@@ -12,7 +12,7 @@ import pytest
 from psrec.serve import model_dir as model_files
 from psrec.serve.export import export_run
 from psrec.serve.model_dir import ExportError, read_model_dir
-from psrec.serve.requests import parse_request
+from psrec.serve.requests import RequestError, parse_request
 from psrec.serve.scoring import ServingModel
 
 
@@ -75,6 +75,10 @@ def test_sasrec_ranks_given_candidates_and_the_whole_catalogue(
         best = np.argsort(-everything[row], kind="stable")[:5]
         assert catalogue["items"][row] == table.ids[best].tolist()
         np.testing.assert_allclose(catalogue["scores"][row], everything[row][best], rtol=0, atol=1e-5)
+    with pytest.raises(RequestError, match=r"rows\[1\]\.seq: is empty"):
+        parse_request({"rows": [rows[0], {"seq": []}]}, model.request_spec)
+    with pytest.raises(RequestError, match=r"rows\[0\]\.candidates: missing"):
+        parse_request({"rows": [rows[0], {**rows[1], "candidates": [3]}]}, model.request_spec)
     given = [{**row, "candidates": [7, 1, 15]} for row in rows]
     answer = model.score_requests([parse_request({"rows": given, "k": 2}, model.request_spec)])[0]
     for row in range(2):
