@@ -76,6 +76,9 @@ class ParsedRequest:
     candidates: list[np.ndarray] | None  # per row: candidate ids (hashed as the items were)
     candidate_values: list[list[Any]] | None  # per row: the candidates as given
     k: int
+    # BST with candidates: the batch holds each row once per candidate (the target feature set to
+    # it), row after row; `groups` is the number of candidates of each row
+    groups: list[int] | None = None
 
 
 def serving_schema(schema: Schema, kind: str, *, sequence_name: str | None = None) -> Schema:
@@ -134,8 +137,29 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
                     f"rows[{index}].{key}", f"unknown feature; this model reads {sorted(spec.feature_names)}"
                 )
         for name in spec.feature_names:
-            if name not in row:
+            if name not in row and not (spec.kind == "bst" and name == _target(spec) and CANDIDATES in row):
                 raise RequestError(f"rows[{index}].{name}", "missing (null stands for a missing value)")
+    groups = None
+    if spec.kind == "bst":
+        candidates, values = _candidates(rows, spec)
+        if candidates is not None and values is not None:
+            target = _target(spec)
+            # every row once as given (the first candidate as its target), so errors name its index
+            _columns(
+                [{**row, target: value[0]} for row, value in zip(rows, values, strict=True)], spec.schema
+            )
+            rows = [
+                {**{k: v for k, v in row.items() if k != CANDIDATES}, target: item}
+                for row, value in zip(rows, values, strict=True)
+                for item in value
+            ]
+            if len(rows) > spec.max_rows:
+                raise RequestError(
+                    "rows", f"{len(rows)} rows with their candidates; at most {spec.max_rows}", status=413
+                )
+            groups = [len(value) for value in values]
+        else:
+            rows = [{k: v for k, v in row.items() if k != CANDIDATES} for row in rows]
     columns = _columns(rows, spec.schema)
     table = pa.table(
         {
@@ -150,8 +174,17 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
             empty = np.flatnonzero(~padded.mask.any(axis=1))
             if empty.size:
                 raise RequestError(f"rows[{int(empty[0])}].{name}", "is empty: give at least one item")
+    if spec.kind == "bst":
+        return ParsedRequest(
+            batch=batch, candidates=None, candidate_values=values if groups else None, k=k, groups=groups
+        )
     candidates, values = _candidates(rows, spec)
     return ParsedRequest(batch=batch, candidates=candidates, candidate_values=values, k=k)
+
+
+def _target(spec: RequestSpec) -> str:
+    assert spec.candidate_feature is not None
+    return spec.candidate_feature.name
 
 
 def _is_number(value: Any) -> bool:

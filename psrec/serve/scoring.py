@@ -74,6 +74,8 @@ def request_spec_of(serving: dict[str, Any], *, max_rows: int | None = None) -> 
     candidate_feature: Any = None
     if kind == "sasrec":
         candidate_feature = next(f for f in schema.sequences if f.name == "seq")
+    elif kind == "bst":  # candidates replace the target item feature
+        candidate_feature = schema.sparse[serving["model"]["target_feature_index"]]
     if max_rows is None:
         return RequestSpec(schema=schema, kind=kind, candidate_feature=candidate_feature)
     return RequestSpec(schema=schema, kind=kind, candidate_feature=candidate_feature, max_rows=max_rows)
@@ -192,6 +194,23 @@ class ServingModel:
             logits = version.programs[CATALOGUE_FILE](dense, pooled, linear, sequences, masks).numpy()
         return table.ids, logits
 
+    def _ranked_by_target(
+        self,
+        requests: list[ParsedRequest],
+        probabilities: np.ndarray,
+        starts: np.ndarray,
+        base: dict[str, Any],
+    ) -> list[dict[str, Any]]:
+        """BST responses: top-k candidates per row where candidates were given, else scores."""
+        out = []
+        for i, request in enumerate(requests):
+            own = probabilities[starts[i] : starts[i + 1]]
+            if request.groups and request.candidate_values is not None:
+                out.append({**base, **_ranked_rows(own, request.groups, request.candidate_values, request.k)})
+            else:
+                out.append({**base, "scores": [finite_or_none(float(p)) for p in own]})
+        return out
+
     def score_requests(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
         """Responses of validated requests, scored together in one batch by one version."""
         version = self._version  # one version for the whole batch
@@ -199,6 +218,8 @@ class ServingModel:
         sizes = [request.batch.batch_size for request in requests]
         starts = np.concatenate([[0], np.cumsum(sizes)])
         base = {"version": version.label}
+        if self.kind == "bst" and any(request.groups for request in requests):
+            return self._ranked_by_target(requests, self.score_batch(batch, version=version), starts, base)
         if self.kind != "sasrec":
             probabilities = self.score_batch(batch, version=version)
             return [
@@ -243,6 +264,20 @@ class ServingModel:
                 scores.append([finite_or_none(float(logits[i])) for i in top])
             out.append({**base, "items": items, "scores": scores})
         return out
+
+
+def _ranked_rows(
+    probabilities: np.ndarray, groups: list[int], values: list[list[Any]], k: int
+) -> dict[str, Any]:
+    """Top-k candidates of each row from the probabilities of its expanded rows."""
+    items, scores, start = [], [], 0
+    for size, candidates in zip(groups, values, strict=True):
+        own = probabilities[start : start + size]
+        start += size
+        top = _top_k(own, k)
+        items.append([_plain(candidates[i]) for i in top])
+        scores.append([finite_or_none(float(own[i])) for i in top])
+    return {"items": items, "scores": scores}
 
 
 def _top_k(logits: np.ndarray, k: int) -> np.ndarray:

@@ -85,3 +85,45 @@ def test_sasrec_ranks_given_candidates_and_the_whole_catalogue(
         logits = everything[row][np.searchsorted(table.ids, [7, 1, 15])]
         order = np.argsort(-logits, kind="stable")[:2]
         assert answer["items"][row] == [[7, 1, 15][i] for i in order]
+
+
+def test_bst_ranks_candidates_as_the_rows_they_stand_for(tmp_path: Path) -> None:
+    """BST with candidates: each candidate scored as the row with its target feature set to it."""
+    import torch
+
+    from psrec.checkpoint.policy import CheckpointRef
+    from psrec.serve.export import export_programs, serving_description
+    from psrec.serve.model_dir import ExportContents
+    from psrec.serve.tables import ServingTable, TableSource
+    from psrec.train import builders
+    from tests.serve.test_export import MODELS, _config_for
+
+    config = _config_for(next(m for m in MODELS if m["name"] == "bst"), tmp_path)
+    torch.manual_seed(0)
+    programs = export_programs(builders.build_model_for(config).eval(), config, dim=4)
+    rng = np.random.default_rng(0)
+    tables = {}
+    for spec in builders.shard_table_specs(config):
+        source = TableSource(dim=4, seed=spec.seed, initializer=spec.initializer.as_dict(), precision="fp32")
+        ids = rng.choice(2**40, size=50, replace=False).astype(np.int64)
+        values = rng.normal(size=(50, 4)).astype(np.float32)
+        tables[spec.name] = ServingTable.from_values(spec.name, ids, values, source=source, precision="fp32")
+    ref = CheckpointRef(
+        path=tmp_path, step=7, kind="full", checkpoint_id="0" * 32, parent_id=None, base_id=None, created=0.0
+    )
+    serving = serving_description(config, ref, tables, precision="fp32", run_dir=str(tmp_path))
+    model = ServingModel(ExportContents(serving, programs, {n: t.to_arrays() for n, t in tables.items()}))
+    row: dict[str, Any] = {f"I{i}": i for i in range(1, 14)} | {f"C{i}": f"v{i}" for i in range(1, 27)}
+    row["history"] = ["a", "b", "c"]
+    candidates = ["x", "y", "z", "w"]
+    ranked = model.score_requests(
+        [parse_request({"rows": [{**row, "candidates": candidates}], "k": 3}, model.request_spec)]
+    )[0]
+    plain = [{**row, "C1": c} for c in candidates]
+    scores = model.score_requests([parse_request({"rows": plain}, model.request_spec)])[0]["scores"]
+    order = np.argsort(-np.asarray(scores), kind="stable")[:3]
+    assert ranked["items"] == [[candidates[i] for i in order]]
+    np.testing.assert_allclose(ranked["scores"][0], np.asarray(scores)[order], rtol=0, atol=1e-7)
+    assert len(set(scores)) == 4  # the candidates really score differently
+    with pytest.raises(RequestError, match=r"rows\[0\]\.candidates\[1\]"):
+        parse_request({"rows": [{**row, "candidates": ["x", 1.5]}]}, model.request_spec)
