@@ -424,11 +424,12 @@ class Driver:
         if not settings.enabled:
             return
         last = self.last_checkpoint
-        if last is not None and last.step == self.state.step:
-            # Same step, new driver state (e.g. the epoch-end mark): replace that checkpoint.
-            kind, parent = last.kind, self.last_parent
-            self.since_full = max(0, self.since_full - 1)
-        elif last is None or self.since_full + 1 >= settings.full_every:
+        # Same step as the last checkpoint, new driver state (an epoch's end, the max_steps stop, a
+        # resume with nothing left to train): written full. The shards' deltas start at their last
+        # committed or restored checkpoint, so a delta taken now would hold almost no rows, not those
+        # of the delta it replaces. A full one of the same step and kind replaces it; beside a delta it
+        # is the newer, restored first, and the delta goes with retention.
+        if last is None or last.step == self.state.step or self.since_full + 1 >= settings.full_every:
             kind, parent = "full", None
         else:
             kind, parent = "delta", last
