@@ -208,11 +208,16 @@ def read_file_checked(model_dir: Location, manifest: dict[str, Any], name: str) 
     return data
 
 
-def read_model_dir(model_dir: str | os.PathLike[str] | StoragePath) -> ExportContents:
-    """Verify and read an export (every file's checksum first)."""
+def read_model_dir(
+    model_dir: str | os.PathLike[str] | StoragePath, *, skip_tables: frozenset[str] = frozenset()
+) -> ExportContents:
+    """Verify and read an export (every file's checksum first), without the tables ``skip_tables``
+    (served elsewhere: `psrec.serve.sharded`)."""
     root = location(model_dir)
     manifest = read_manifest(root)
-    blobs = {name: read_file_checked(root, manifest, name) for name in sorted(manifest["files"])}
+    skipped = {table_file(name) for name in skip_tables}
+    names = sorted(name for name in manifest["files"] if name not in skipped)
+    blobs = {name: read_file_checked(root, manifest, name) for name in names}
     serving = json.loads(blobs.pop(SERVING_FILE).decode("utf-8"))
     tables: dict[str, dict[str, np.ndarray]] = {}
     programs: dict[str, bytes] = {}

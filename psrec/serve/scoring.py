@@ -84,7 +84,13 @@ def request_spec_of(serving: dict[str, Any], *, max_rows: int | None = None) -> 
 class ServingModel:
     """A loaded export (see the module docstring)."""
 
-    def __init__(self, contents: ExportContents, *, max_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        contents: ExportContents,
+        *,
+        max_rows: int | None = None,
+        remote_tables: dict[str, Any] | None = None,
+    ) -> None:
         serving = contents.serving
         self.serving = serving
         self.kind: str = serving["kind"]
@@ -99,15 +105,25 @@ class ServingModel:
         self._version = ModelVersion(
             label=serving["version"]["label"],
             info=dict(serving["version"]),
-            tables=tables_of(contents),
+            tables={**tables_of(contents), **(remote_tables or {})},
             programs=programs,
         )
         self._swap_lock = threading.Lock()
 
     @classmethod
-    def load(cls, model_dir: str | os.PathLike[str] | StoragePath, **kwargs: Any) -> ServingModel:
-        """Verify and load an export directory (`psrec.serve.model_dir.read_model_dir`)."""
-        return cls(read_model_dir(model_dir), **kwargs)
+    def load(
+        cls,
+        model_dir: str | os.PathLike[str] | StoragePath,
+        *,
+        max_rows: int | None = None,
+        remote_tables: dict[str, Any] | None = None,
+    ) -> ServingModel:
+        """Verify and load an export directory (`psrec.serve.model_dir.read_model_dir`); the tables
+        in ``remote_tables`` (`psrec.serve.sharded.ShardedTable`) are looked up there instead."""
+        skip = frozenset(remote_tables or ())
+        return cls(
+            read_model_dir(model_dir, skip_tables=skip), max_rows=max_rows, remote_tables=remote_tables
+        )
 
     @property
     def version(self) -> ModelVersion:

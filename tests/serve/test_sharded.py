@@ -1,0 +1,41 @@
+"""Sharded lookup: tables split over lookup shards by the PS routing serve exactly the scores of
+the whole tables (route -> compute -> return), unknown ids included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from psrec import checkpoint
+from psrec.serve.model_dir import read_model_dir
+from psrec.serve.requests import parse_request
+from psrec.serve.scoring import ServingModel, tables_of
+from psrec.serve.sharded import LocalShard, TableShard, sharded_tables
+from tests.serve.test_export import _raw_rows
+
+
+def test_sharded_tables_serve_the_scores_of_whole_tables(deepfm_run: dict[str, Any], exported: Any) -> None:
+    model_dir = exported(deepfm_run["run_dir"], precision="int8")
+    whole = tables_of(read_model_dir(model_dir))
+    large = sorted(name for name, table in whole.items() if table.num_rows >= 20)
+    assert len(large) >= 5
+    shards = [TableShard(model_dir, shard=s, num_shards=3, tables=large) for s in range(3)]
+    for name in large:  # every row in exactly one shard
+        held = np.concatenate([shard.tables[name].ids for shard in shards])
+        assert np.array_equal(np.sort(held), whole[name].ids)
+        assert all(shard.tables[name].num_rows > 0 for shard in shards)
+    remote = sharded_tables([s.describe() for s in shards], [LocalShard(s) for s in shards])
+    sharded = ServingModel.load(model_dir, remote_tables=remote)
+    plain = ServingModel.load(model_dir)
+    assert sharded.table_bytes() < plain.table_bytes()
+    rows = _raw_rows(deepfm_run["sources"]["validation"]["paths"])[:2000]
+    request = parse_request({"rows": rows}, plain.request_spec)
+    expected = plain.score_requests([request])[0]
+    got = sharded.score_requests([request])[0]
+    assert got["version"] == expected["version"]
+    np.testing.assert_array_equal(got["scores"], expected["scores"])
+    unknown = np.array([1, 2**40 + 7, 12345], dtype=np.int64)  # ids no table holds
+    for name in large[:3]:
+        np.testing.assert_array_equal(remote[name].lookup(unknown), whole[name].lookup(unknown))
+    assert checkpoint.list_checkpoints(deepfm_run["run_dir"])  # the run is untouched
