@@ -22,6 +22,7 @@ HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray clust
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -53,6 +54,8 @@ class ServeOptions:
     follow: str | None = None
     poll_seconds: float = 0.5
     access_log: bool = False
+    shard_rows: int | None = None  # tables with more rows go to lookup shards (`psrec.serve.sharded`)
+    lookup_shards: int = 2
 
 
 def _rows_of(requests: list[ParsedRequest]) -> int:
@@ -62,14 +65,20 @@ def _rows_of(requests: list[ParsedRequest]) -> int:
 class ModelServer:
     """One model replica: the export, request batching and (optionally) its follower."""
 
-    def __init__(self, model_dir: str, options: ServeOptions) -> None:
+    def __init__(self, model_dir: str, options: ServeOptions, shards: list[Any] | None = None) -> None:
+        import ray
         import torch
 
         from psrec.serve.follow import DeltaFollower
         from psrec.serve.scoring import ServingModel
+        from psrec.serve.sharded import RayShard, sharded_tables
 
         torch.set_num_threads(options.threads)
-        self.model = ServingModel.load(model_dir, max_rows=options.max_request_rows)
+        remote = None
+        if shards:
+            described = ray.get([shard.describe.remote() for shard in shards], timeout=300)
+            remote = sharded_tables(described, [RayShard(shard) for shard in shards])
+        self.model = ServingModel.load(model_dir, max_rows=options.max_request_rows, remote_tables=remote)
         self.follower = None
         if options.follow is not None:
             self.follower = DeltaFollower(self.model, options.follow, poll_seconds=options.poll_seconds)
@@ -116,14 +125,15 @@ class ModelServer:
             self.follower.stop()  # type: ignore[union-attr]
 
 
-def application(model_dir: str, options: ServeOptions) -> Any:
-    """The Ray Serve application: ``options.replicas`` `ModelServer` replicas behind Serve's proxy."""
+def application(model_dir: str, options: ServeOptions, shards: list[Any] | None = None) -> Any:
+    """The Ray Serve application: ``options.replicas`` `ModelServer` replicas behind Serve's proxy
+    (looking large tables up in the ``shards`` actors, when given)."""
     return serve.deployment(
         name="ModelServer",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.replica_cpus},
         max_ongoing_requests=max(1024, options.max_batch_rows),  # Serve compares it with the batch size
-    )(ModelServer).bind(model_dir, options)
+    )(ModelServer).bind(model_dir, options, shards)
 
 
 def start_serving(model_dir: str, options: ServeOptions, *, address: str | None = None) -> str:
@@ -132,12 +142,14 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
     from psrec.storage import location
     from psrec.train.cluster import start_ray
 
-    read_manifest(location(model_dir))  # a clear error here, before any replica starts
+    manifest = read_manifest(location(model_dir))  # a clear error here, before any replica starts
+    large = _large_tables(model_dir, manifest, options)
     cpus = None if address else max(2, int(options.replicas * options.replica_cpus + 0.999))
     start_ray(address, num_cpus=cpus)
+    shards = _start_lookup_shards(model_dir, large, options) if large else None
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(
-        application(model_dir, options),
+        application(model_dir, options, shards),
         name=APPLICATION,
         route_prefix="/",
         # a log line per request costs the replica and the driver more than scoring a small batch
@@ -148,9 +160,46 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
     return url
 
 
+_LOOKUP_SHARDS: list[Any] = []  # the lookup shard actors this process started
+
+
+def _large_tables(model_dir: str, manifest: dict[str, Any], options: ServeOptions) -> list[str]:
+    """The tables with more than ``options.shard_rows`` rows (none without it)."""
+    if options.shard_rows is None:
+        return []
+    from psrec.serve.model_dir import SERVING_FILE, ExportError, read_file_checked
+    from psrec.storage import location
+
+    serving = json.loads(read_file_checked(location(model_dir), manifest, SERVING_FILE))
+    large = sorted(name for name, table in serving["tables"].items() if table["rows"] > options.shard_rows)
+    if large and options.follow is not None:
+        raise ExportError("--follow applies deltas inside the replicas: it cannot be used with --shard-rows")
+    return large
+
+
+def _start_lookup_shards(model_dir: str, tables: list[str], options: ServeOptions) -> list[Any]:
+    import ray
+
+    from psrec.serve.sharded import TableShard
+
+    actor = ray.remote(TableShard).options(num_cpus=0)
+    shards = [
+        actor.remote(model_dir, shard=index, num_shards=options.lookup_shards, tables=tables)
+        for index in range(options.lookup_shards)
+    ]
+    _LOOKUP_SHARDS.extend(shards)
+    logger.info("%d lookup shards hold tables %s", len(shards), ", ".join(tables))
+    return shards
+
+
 def stop_serving() -> None:
+    import ray
+
     serve.delete(APPLICATION)
     serve.shutdown()
+    for shard in _LOOKUP_SHARDS:
+        ray.kill(shard)
+    _LOOKUP_SHARDS.clear()
 
 
 def serve_forever(model_dir: str, options: ServeOptions, *, address: str | None = None) -> None:

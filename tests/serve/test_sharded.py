@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 
 from psrec import checkpoint
 from psrec.serve.model_dir import read_model_dir
@@ -39,3 +40,37 @@ def test_sharded_tables_serve_the_scores_of_whole_tables(deepfm_run: dict[str, A
     for name in large[:3]:
         np.testing.assert_array_equal(remote[name].lookup(unknown), whole[name].lookup(unknown))
     assert checkpoint.list_checkpoints(deepfm_run["run_dir"])  # the run is untouched
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_psrec_serve_with_lookup_shard_actors(deepfm_run: dict[str, Any], exported: Any) -> None:
+    """--shard-rows: the large tables live in Ray actors; HTTP scores equal the whole tables'."""
+    import json
+    import socket
+    import urllib.request
+
+    import ray
+
+    from psrec.serve.deployment import ServeOptions, start_serving, stop_serving
+
+    model_dir = exported(deepfm_run["run_dir"])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    options = ServeOptions(port=port, shard_rows=20, lookup_shards=2)
+    url = start_serving(str(model_dir), options)
+    try:
+        rows = _raw_rows(deepfm_run["sources"]["validation"]["paths"])[:256]
+        request = urllib.request.Request(url, data=json.dumps({"rows": rows}).encode())
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        with urllib.request.urlopen(url + "version", timeout=60) as response:
+            described = json.loads(response.read())
+    finally:
+        stop_serving()
+        ray.shutdown()
+    plain = ServingModel.load(model_dir)
+    expected = plain.score_requests([parse_request({"rows": rows}, plain.request_spec)])[0]
+    np.testing.assert_array_equal(answer["scores"], expected["scores"])
+    assert described["table_bytes"] < plain.table_bytes()  # the large tables are not in the replica
