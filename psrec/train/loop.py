@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from psrec import checkpoint, storage
+from psrec.checkpoint.files import discard_directory
+from psrec.checkpoint.format import MANIFEST_FILE
 from psrec.checkpoint.policy import RestartDecision, choose_restart
 from psrec.config import ConfigError, RunConfig
 from psrec.train.accounting import (
@@ -243,7 +245,6 @@ class Driver:
         self.bytes_pulled = 0
         self.bytes_pushed = 0
         self.last_checkpoint: Any = None
-        self.last_parent: Any = None
         self.since_full = 0
         self.checkpoint_seconds: list[dict[str, Any]] = []
         self.recoveries: list[dict[str, Any]] = []
@@ -427,8 +428,7 @@ class Driver:
         # Same step as the last checkpoint, new driver state (an epoch's end, the max_steps stop, a
         # resume with nothing left to train): written full. The shards' deltas start at their last
         # committed or restored checkpoint, so a delta taken now would hold almost no rows, not those
-        # of the delta it replaces. A full one of the same step and kind replaces it; beside a delta it
-        # is the newer, restored first, and the delta goes with retention.
+        # of the delta it replaces. It replaces that checkpoint (deleted once the new one is committed).
         if last is None or last.step == self.state.step or self.since_full + 1 >= settings.full_every:
             kind, parent = "full", None
         else:
@@ -444,7 +444,10 @@ class Driver:
                 "bytes": sum(f["size"] for f in manifest["files"].values()),
             }
         )
-        self.last_checkpoint, self.last_parent = ref, parent
+        if last is not None and last.step == ref.step and last.kind != ref.kind:
+            # the delta of this step (one of the same kind and name the commit replaced itself)
+            discard_directory(last.path, commit_marker=MANIFEST_FILE)
+        self.last_checkpoint = ref
         self.since_full = 0 if kind == "full" else self.since_full + 1
         checkpoint.apply_retention(
             self.run_dir, keep_last=settings.keep_last, verify_checksums=False, pinned_step=self._best_step()
@@ -479,7 +482,6 @@ class Driver:
             return
         self.state.roll_back(int(restored["step"]), restored["extra"])
         self.last_checkpoint = chain[-1]
-        self.last_parent = chain[-2] if len(chain) > 1 else None
         self.since_full = len(chain) - 1
         self.best_snapshot = False  # in-memory snapshots do not survive a restart
 

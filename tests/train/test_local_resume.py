@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from psrec.checkpoint import list_checkpoints
 from psrec.train.loop import train
 from psrec.train.runtime import LocalRuntime
 from tests.conftest import small_run_config
@@ -69,6 +70,8 @@ def test_resume_from_a_delta_checkpoint_equals_uninterrupted(
     for index, stop in enumerate(stops):
         leg = run_to(synthetic_sources, tmp_path, stop, resume=True if index else None)
         assert leg.summary["steps"] == stop
+        steps = [ref.step for ref in list_checkpoints(tmp_path)]
+        assert steps[-1] == stop and len(steps) == len(set(steps)), steps  # one checkpoint a step
         (tmp_path / "summary.json").unlink()  # an interrupted run leaves no summary
     resumed = run_to(synthetic_sources, tmp_path, STEPS, resume=True)
     assert resumed.summary["resumed_from"]["step"] == stops[-1]
