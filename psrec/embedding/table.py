@@ -230,10 +230,8 @@ class EmbeddingTable:
         return rows
 
     # ---------------------------------------------------------------------------------- pull / push
-    def pull(self, ids: np.ndarray, *, train: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-        """(len(ids), dim) float32 rows in the order of ``ids``; see the module docstring. With `out`
-        (a C-contiguous float32 array of that shape) the rows are written there, and `out` returned."""
-        ids = self._check_ids(ids)
+    def _check_out(self, ids: np.ndarray, out: np.ndarray | None) -> None:
+        """A pull's `out=` must be a C-contiguous float32 (len(ids), dim) array."""
         if out is not None and (
             out.dtype != np.float32 or out.shape != (ids.shape[0], self.dim) or not out.flags.c_contiguous
         ):
@@ -243,6 +241,12 @@ class EmbeddingTable:
                     f"got {out.dtype} {out.shape}"
                 )
             )
+
+    def pull(self, ids: np.ndarray, *, train: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """(len(ids), dim) float32 rows in the order of ``ids``; see the module docstring. With `out`
+        (a C-contiguous float32 array of that shape) the rows are written there, and `out` returned."""
+        ids = self._check_ids(ids)
+        self._check_out(ids, out)
         rows, missing = self._index.lookup(ids)
         if missing and train:
             missing_positions = np.flatnonzero(rows < 0)

@@ -217,15 +217,7 @@ class TieredTable(EmbeddingTable):
     # ------------------------------------------------------------------------------ pull / push
     def pull(self, ids: np.ndarray, *, train: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         ids = self._check_ids(ids)
-        if out is not None and (
-            out.dtype != np.float32 or out.shape != (ids.shape[0], self.dim) or not out.flags.c_contiguous
-        ):
-            raise ValueError(
-                self._message(
-                    f"pull out= must be a C-contiguous float32 array of shape {(ids.shape[0], self.dim)}, "
-                    f"got {out.dtype} {out.shape}"
-                )
-            )
+        self._check_out(ids, out)
         rows, missing = self._index.lookup(ids)
         if train:
             self.misses += missing

@@ -58,32 +58,18 @@ def cluster(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     nodes = LocalRayCluster(root, nodes_wanted=3, cpus=2, token=token)
     nodes.environment = s3_server.environment()
     nodes.start()
-    saved = {name: os.environ.get(name) for name in nodes.client_environment()}
-    os.environ.update(nodes.client_environment())
     try:
-        yield nodes
+        with _environment(nodes.client_environment()):
+            yield nodes
     finally:
         ray.shutdown()
         nodes.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
 def stored_sources(s3_server: Any, synthetic_sources: dict[str, Any]) -> dict[str, Any]:
-    saved = {name: os.environ.get(name) for name in s3_server.environment()}
-    os.environ.update(s3_server.environment())
-    try:
+    with _environment(s3_server.environment()):
         return _upload(synthetic_sources, s3_server.create_bucket())
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
