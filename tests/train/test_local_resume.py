@@ -1,4 +1,4 @@
-"""Exact resume on the in-process runtime (`ps.runtime: local`).
+"""Exact resume from a delta checkpoint, on the in-process runtime (`ps.runtime: local`) and on Ray.
 
 A run stopped at a checkpoint and resumed from its run directory must end with the model of the
 same run left undisturbed: every table's ids and rows, every dense weight and the validation
@@ -32,9 +32,17 @@ class FinishedRun(NamedTuple):
     rows: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def run_to(sources: dict[str, Any], run_dir: Path, max_steps: int, **kwargs: Any) -> FinishedRun:
-    config = small_run_config(sources, run_dir, **SETTINGS, **{"training.max_steps": max_steps})
-    runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
+def run_to(
+    sources: dict[str, Any], run_dir: Path, max_steps: int, *, ray: bool = False, **kwargs: Any
+) -> FinishedRun:
+    settings = SETTINGS | {"training.max_steps": max_steps, "ps.runtime": "ray" if ray else "local"}
+    config = small_run_config(sources, run_dir, **settings)
+    if ray:
+        from psrec.train.runtime import RayRuntime
+
+        runtime: Any = RayRuntime(config, base_dir=".", data_sources=sources)
+    else:
+        runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
     try:
         summary = train(config, runtime=runtime, **kwargs)
         return FinishedRun(summary, runtime.dense_states()[0], runtime.table_rows())
@@ -77,3 +85,16 @@ def test_resume_from_a_delta_checkpoint_equals_uninterrupted(
     assert resumed.summary["resumed_from"]["step"] == stops[-1]
     assert resumed.summary["rows_consumed"] == undisturbed.summary["rows_consumed"]
     assert_same_model(resumed, undisturbed)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_resume_from_a_delta_checkpoint_equals_uninterrupted_on_ray(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    reference = run_to(synthetic_sources, tmp_path / "undisturbed", STEPS, ray=True)
+    run_to(synthetic_sources, tmp_path / "resumed", 10, ray=True)
+    (tmp_path / "resumed" / "summary.json").unlink()
+    resumed = run_to(synthetic_sources, tmp_path / "resumed", STEPS, ray=True, resume=True)
+    assert resumed.summary["resumed_from"]["step"] == 10
+    assert_same_model(resumed, reference)
