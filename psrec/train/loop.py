@@ -51,6 +51,7 @@ from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir
 from psrec.train.runtime import Runtime, make_runtime
+from psrec.train.startup import startup_report
 from psrec.train.worker import ChunkResult
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ def train(
     `False` refuses a run directory that already holds checkpoints. psrec writes only into run
     directories it created (`psrec.train.run_dir`), and only once the data and runtime are set up.
     """
+    called_at = time.time()
     run_dir = storage.location(config.run_dir)
     try:
         has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
@@ -184,6 +186,7 @@ def train(
         if local_events is not None:
             _upload_events(local_events, run_dir)
     summary["wall_seconds"] = time.perf_counter() - started
+    summary["startup"] = startup_report(driver.first_step_at, train_called_at=called_at)
     _write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
 
@@ -247,6 +250,7 @@ class Driver:
         self.last_checkpoint: Any = None
         self.since_full = 0
         self.checkpoint_seconds: list[dict[str, Any]] = []
+        self.first_step_at: float | None = None  # wall clock: the end of this process's first step
         self.recoveries: list[dict[str, Any]] = []
         self.best_snapshot = False
         self._epoch_steps: int | None = None
@@ -361,6 +365,9 @@ class Driver:
     def _absorb(self, results: list[ChunkResult]) -> None:
         state = self.state
         state.step += results[0].steps
+        if self.first_step_at is None:
+            ended = [r.first_step_at for r in results if r.first_step_at is not None]
+            self.first_step_at = max(ended) if ended else None  # every trainer has stepped
         row_ids = []
         for result in results:
             state.samples += result.samples

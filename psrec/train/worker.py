@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class ChunkResult:
     # lost with them, dense values filled or clipped (`INPUT_COUNTS`), and the failed units themselves
     input_counts: dict[str, int] = field(default_factory=dict)
     failed_units: list[dict[str, Any]] = field(default_factory=list)
+    first_step_at: float | None = None  # wall clock when the chunk's first step ended
 
 
 # The reader's counters of bad input (`BatchReader.stats`) that travel to the driver's summary.
@@ -298,8 +300,11 @@ class TrainerWorker:
         run = self.runner.run(
             self._batches, first_step=self.step, max_steps=max_steps, position=self._reader.position
         )
+        first_step_at = None
         for result in run:
             steps += 1
+            if first_step_at is None:
+                first_step_at = time.time()
             n = result.labels.shape[0]
             if n:
                 samples += n
@@ -327,6 +332,7 @@ class TrainerWorker:
             bytes_pushed=self.client.bytes_pushed - pushed,
             input_counts=input_counts,
             failed_units=failed_units,
+            first_step_at=first_step_at,
         )
 
     def _input_report(self) -> tuple[dict[str, int], list[dict[str, Any]]]:

@@ -1,0 +1,46 @@
+"""Start-up time in summary.json: the process's start read from /proc, checked against a clock
+read by the parent that started the process; the first step's time bounded by the run's own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psrec.train.loop import train
+from tests.conftest import small_run_config
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+
+def test_process_start_time_is_when_the_parent_started_the_process() -> None:
+    before = time.time()
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from psrec.train.startup import process_start_time; print(process_start_time())",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    after = time.time()
+    started = float(child.stdout)
+    assert before - 0.05 <= started <= after  # clock ticks are 10 ms
+
+
+def test_the_summary_says_how_long_the_first_step_took_to_come(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    called = time.time()
+    summary = train(small_run_config(synthetic_sources, tmp_path / "run", **{"training.max_steps": 3}))
+    returned = time.time()
+    startup = summary["startup"]
+    assert 0 < startup["seconds_from_train_call"] < returned - called
+    assert startup["seconds_to_first_step"] > startup["seconds_from_train_call"]  # the process began earlier
