@@ -67,19 +67,7 @@ class EmbeddingTable:
             from psrec.embedding.tiered_table import build_table  # the subclass: built on this module
 
             return build_table(spec)
-        return cls(
-            spec.name,
-            spec.dim,
-            optimizer=spec.optimizer,
-            initializer=spec.initializer,
-            precision=spec.precision,
-            stochastic_rounding=spec.stochastic_rounding,
-            admission=spec.admission,
-            eviction=spec.eviction,
-            seed=spec.seed,
-            initial_rows=spec.initial_rows,
-            populate=spec.populate,
-        )
+        return cls(spec.name, spec.dim, **spec_options(spec))
 
     def __init__(
         self,
@@ -588,3 +576,18 @@ class EmbeddingTable:
             f"EmbeddingTable({self.name!r}, dim={self.dim}, rows={self.num_rows}, precision={self.precision!r}, "
             f"optimizer={self.optimizer.name!r})"
         )
+
+
+def spec_options(spec: TableSpec) -> dict[str, Any]:
+    """The keyword arguments of a table's constructor that `spec` holds (besides name and dim)."""
+    return {
+        "optimizer": spec.optimizer,
+        "initializer": spec.initializer,
+        "precision": spec.precision,
+        "stochastic_rounding": spec.stochastic_rounding,
+        "admission": spec.admission,
+        "eviction": spec.eviction,
+        "seed": spec.seed,
+        "initial_rows": spec.initial_rows,
+        "populate": spec.populate,
+    }

@@ -37,7 +37,7 @@ from psrec.embedding.eviction import rows_to_evict
 from psrec.embedding.hash_index import ids_digest
 from psrec.embedding.specs import TableSpec
 from psrec.embedding.state import TableDelta, TableState
-from psrec.embedding.table import EmbeddingTable
+from psrec.embedding.table import EmbeddingTable, spec_options
 from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, coldest
 
 DEMOTION_SLACK = 0.05
@@ -51,15 +51,7 @@ def build_table(spec: TableSpec) -> EmbeddingTable:
     return TieredTable(
         spec.name,
         spec.dim,
-        optimizer=spec.optimizer,
-        initializer=spec.initializer,
-        precision=spec.precision,
-        stochastic_rounding=spec.stochastic_rounding,
-        admission=spec.admission,
-        eviction=spec.eviction,
-        seed=spec.seed,
-        initial_rows=min(spec.initial_rows, spec.storage.memory_rows),
-        populate=spec.populate,
+        **{**spec_options(spec), "initial_rows": min(spec.initial_rows, spec.storage.memory_rows)},
         memory_rows=spec.storage.memory_rows,
         disk_dir=spec.storage.disk_dir,
     )
