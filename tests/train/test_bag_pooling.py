@@ -1,0 +1,133 @@
+"""The fused bag pooling (psrec.train.bag_pooling) against nn.EmbeddingBag, forward and gradients."""
+
+import numba
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from psrec.train.bag_pooling import column_blocks, pool_bags
+
+
+def _bags(
+    rng: np.random.Generator, batch: int, features: int, num_rows: int, max_length: int
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Random bags (variable lengths, empty ones included) of `features` features laid out one
+    feature after the other, as the lookup plan does: (index, offsets (F, B + 1)) and per feature
+    the (ids, bag starts) an EmbeddingBag takes."""
+    index_parts, offsets, ids, starts = [], np.zeros((features, batch + 1), np.int64), [], []
+    position = 0
+    for f in range(features):
+        lengths = rng.integers(0, max_length + 1, size=batch)
+        lengths[: batch // 4] = 0 if f % 2 else lengths[: batch // 4]  # runs of empty bags
+        feature_ids = rng.integers(0, num_rows, size=int(lengths.sum()))  # repeats within and across bags
+        index_parts.append(feature_ids)
+        local = np.concatenate([[0], np.cumsum(lengths)])
+        offsets[f] = position + local
+        position += int(lengths.sum())
+        ids.append(feature_ids)
+        starts.append(local[:-1])
+    return np.concatenate(index_parts), offsets, ids, starts
+
+
+def _oracle(
+    weight: torch.Tensor, ids: list[np.ndarray], starts: list[np.ndarray], mode: str
+) -> tuple[torch.Tensor, nn.EmbeddingBag]:
+    bag = nn.EmbeddingBag.from_pretrained(weight.clone(), freeze=False, mode=mode)
+    pooled = [bag(torch.from_numpy(i), torch.from_numpy(s)) for i, s in zip(ids, starts, strict=True)]
+    return torch.stack(pooled, dim=1), bag  # (B, F, D)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("dim", [64, 8])
+def test_float32_pooling_equals_embedding_bag(mode: str, threads: int, dim: int) -> None:
+    rng = np.random.default_rng(0)
+    batch, features, num_rows = 33, 4, 40
+    index, offsets, ids, starts = _bags(rng, batch, features, num_rows, max_length=9)
+    weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
+    rows = weight.clone().requires_grad_()
+    previous = numba.get_num_threads()
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+    try:
+        out = pool_bags(rows, index, offsets, mode=mode)
+        expected, bag = _oracle(weight, ids, starts, mode)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        upstream = torch.from_numpy(rng.normal(size=(batch, features, dim)).astype(np.float32))
+        (out * upstream).sum().backward()
+        (expected * upstream).sum().backward()
+    finally:
+        numba.set_num_threads(previous)
+    assert rows.grad is not None and bag.weight.grad is not None
+    torch.testing.assert_close(rows.grad, bag.weight.grad, rtol=1e-5, atol=1e-5)
+    assert (out[: batch // 4, 1] == 0).all()  # feature 1's empty bags pool to zero
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_bfloat16_output_is_the_float32_sum_rounded_once(mode: str) -> None:
+    rng = np.random.default_rng(1)
+    batch, features, num_rows, dim = 17, 3, 25, 32
+    index, offsets, ids, starts = _bags(rng, batch, features, num_rows, max_length=12)
+    weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
+    rows = weight.clone().requires_grad_()
+    out = pool_bags(rows, index, offsets, mode=mode, dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    expected, bag = _oracle(weight, ids, starts, mode)
+    # float32 sums in another order may round to the neighbouring bfloat16: one bf16 ulp at most
+    torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)
+    assert (out.float() == expected.to(torch.bfloat16).float()).float().mean() > 0.95
+    upstream = torch.from_numpy(rng.normal(size=(batch, features + 1, dim)).astype(np.float32))
+    upstream = upstream.to(torch.bfloat16)
+    head = torch.zeros(batch, 1, dim, dtype=torch.bfloat16)
+    # the bf16 gradient arrives as a slice of the interaction's concatenation, as in DLRM
+    (torch.cat([head, out], dim=1).float() * upstream.float()).sum().backward()
+    (expected * upstream[:, 1:].float()).sum().backward()
+    assert rows.grad is not None and rows.grad.dtype == torch.float32 and bag.weight.grad is not None
+    torch.testing.assert_close(rows.grad, bag.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_in_a_transposed_layout_and_untouched_rows() -> None:
+    rng = np.random.default_rng(2)
+    batch, features, num_rows, dim = 9, 2, 30, 16
+    index, offsets, ids, starts = _bags(rng, batch, features, num_rows, max_length=4)
+    weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
+    rows = weight.clone().requires_grad_()
+    out = pool_bags(rows, index, offsets)
+    expected, bag = _oracle(weight, ids, starts, "sum")
+    upstream = torch.from_numpy(rng.normal(size=(features, batch, dim)).astype(np.float32))
+    (out.transpose(0, 1).contiguous() * upstream).sum().backward()
+    (expected.transpose(0, 1) * upstream).sum().backward()
+    assert rows.grad is not None and bag.weight.grad is not None
+    torch.testing.assert_close(rows.grad, bag.weight.grad, rtol=1e-5, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(num_rows), index)
+    assert untouched.size and rows.grad[untouched].abs().sum() == 0
+
+
+def test_single_id_bags_equal_a_gather() -> None:
+    rng = np.random.default_rng(3)
+    index = rng.integers(0, 10, size=2 * 6)
+    offsets = np.stack([np.arange(7), 6 + np.arange(7)])  # 2 features x 6 samples, one id each
+    rows = torch.from_numpy(rng.normal(size=(10, 8)).astype(np.float32))
+    out = pool_bags(rows, index, offsets)
+    expected = rows[torch.from_numpy(index)].view(2, 6, 8).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_bad_input_is_refused_with_its_reason() -> None:
+    rows = torch.zeros(4, 16)
+    offsets = np.array([[0, 1, 2]])
+    with pytest.raises(IndexError, match="sample 1 .* 4 rows"):
+        pool_bags(rows, np.array([0, 4]), offsets)
+    with pytest.raises(ValueError, match="mode"):
+        pool_bags(rows, np.array([0, 1]), offsets, mode="max")
+    with pytest.raises(ValueError, match=r"offsets must lie in \[0, 2\]"):
+        pool_bags(rows, np.array([0, 1]), np.array([[0, 1, 3]]))
+    with pytest.raises(ValueError, match="float32"):
+        pool_bags(rows.double(), np.array([0, 1]), offsets)
+
+
+def test_column_blocks_keep_threads_off_each_others_cache_lines() -> None:
+    assert column_blocks(64, 2) == 2
+    assert column_blocks(16, 2) == 1
+    assert column_blocks(8, 4) == 1
+    assert column_blocks(128, 16) == 8
