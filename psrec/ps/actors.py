@@ -25,6 +25,7 @@ import numpy as np
 
 from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
 from psrec.embedding import EmbeddingTable, TableSpec, warmup
+from psrec.ps import bucket_move
 from psrec.ps.client import Pending
 from psrec.ps.replay import LoggedShard, announce_recovery
 from psrec.ps.shard import ParameterShard, TableGradients
@@ -136,6 +137,31 @@ class ShardActor:
         """`chain` is committed and holds this shard's state: its log starts again from it."""
         if self.logged is not None:
             self.logged.checkpointed(chain)
+
+    # -- bucket moves (`psrec.ps.bucket_move`), between steps ----------------------------------
+    def export_buckets(self, buckets: list[int], num_buckets: int) -> dict[str, np.ndarray]:
+        """The rows of `buckets` (with optimizer state, counts, snapshots) for another shard."""
+        return bucket_move.bucket_rows(self._movable(), buckets, num_buckets)
+
+    def import_buckets(self, arrays: dict[str, np.ndarray], num_buckets: int) -> int:
+        """Add rows another shard exported; returns how many."""
+        return bucket_move.add_bucket_rows(self._movable(), arrays, num_buckets=num_buckets)
+
+    def drop_buckets(self, buckets: list[int], num_buckets: int) -> int:
+        """Remove the rows of `buckets` (they moved to another shard); returns how many."""
+        return bucket_move.drop_buckets(self._movable(), buckets, num_buckets)
+
+    def start_at(self, step: int) -> None:
+        """A shard added while training: it expects the pushes of `step` next."""
+        bucket_move.start_at(self._movable(), step)
+
+    def _movable(self) -> ParameterShard:
+        if self.logged is not None:
+            raise bucket_move.MoveError(
+                f"shard {self.shard.shard_index} logs for failover (fault_tolerance.shard_failover): its "
+                "buckets cannot move while training"
+            )
+        return self.shard
 
     def failover_report(self) -> dict[str, Any] | None:
         """This process's log: records and bytes written, restores, and how it rebuilt the shard."""

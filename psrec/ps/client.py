@@ -22,12 +22,12 @@ shards (`LocalConnection`: no Ray, no copies) and Ray actors (`psrec.ps.actors.R
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
-from psrec.ps.routing import Routed, dedup_and_route
+from psrec.ps.routing import Routed, dedup_and_route, route
 from psrec.ps.shard import ParameterShard, TableGradients
 from psrec.ps.wire import check_precision, decode_rows, encode_gradients
 
@@ -88,6 +88,7 @@ class RoutedIds:
     routed: dict[str, Routed]
     spans: dict[str, tuple[int, int]]  # table -> its rows among all tables' unique ids
     fused: bool = False
+    version: int = 0  # of the bucket map it was routed with (`EmbeddingClient.set_routing`)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PullRequest:
     handles: list[Pending]
     fused: dict[str, np.ndarray] = field(default_factory=dict)  # "rows" / "linear" -> fused buffer
     in_place: set[tuple[int, str]] = field(default_factory=set)  # (shard, table) written into `fused`
+    routing: RoutedIds | None = None  # the routing it was sent with (`EmbeddingClient.current`)
 
 
 @dataclass
@@ -106,6 +108,11 @@ class PulledRows:
     rows: dict[str, np.ndarray]  # table -> (num_unique, dim) float32 (views of `fused` when fused)
     pull_bytes: int = 0
     fused: dict[str, np.ndarray] = field(default_factory=dict)  # "rows" / "linear" -> fused buffer
+
+
+def _grouped(routing: RoutedIds) -> bool:
+    """Whether every table's unique ids are grouped by shard (a batch routed with the current map)."""
+    return all(routed.order is None for routed in routing.routed.values())
 
 
 def fused_key(table: str) -> str:
@@ -127,12 +134,9 @@ class EmbeddingClient:
         wire_precision: str = "fp32",
     ) -> None:
         check_precision(wire_precision)
-        if int(bucket_to_shard.max()) + 1 != len(connections):
-            raise ValueError(
-                f"bucket map names {int(bucket_to_shard.max()) + 1} shards but {len(connections)} are connected"
-            )
-        self.connections = connections
-        self.bucket_to_shard = np.ascontiguousarray(bucket_to_shard, dtype=np.int64)
+        self.connections: list[ShardConnection] = []
+        self._routing: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))
+        self.set_routing(connections, bucket_to_shard, version=0)
         self.table_dims = dict(table_dims)
         self.linear_terms = linear_terms
         self.trainer_index = trainer_index
@@ -141,6 +145,37 @@ class EmbeddingClient:
         self.bytes_pushed = 0
 
     # -- route -------------------------------------------------------------------------------
+    def set_routing(
+        self, connections: list[ShardConnection], bucket_to_shard: np.ndarray, *, version: int
+    ) -> None:
+        """Route with `bucket_to_shard` over `connections` from now on (between steps: no call in
+        flight). Batches routed before with an older version are routed again when sent (`current`)."""
+        if int(bucket_to_shard.max()) + 1 != len(connections):
+            raise ValueError(
+                f"bucket map names {int(bucket_to_shard.max()) + 1} shards but {len(connections)} are connected"
+            )
+        bucket_map = np.ascontiguousarray(bucket_to_shard, dtype=np.int64)
+        self.connections = list(connections)
+        self._routing = (version, bucket_map)  # one assignment: the planner thread reads it whole
+
+    @property
+    def bucket_to_shard(self) -> np.ndarray:
+        return self._routing[1]
+
+    @property
+    def routing_version(self) -> int:
+        return self._routing[0]
+
+    def current(self, routing: RoutedIds) -> RoutedIds:
+        """`routing`, or the same unique ids (same order, so the batch's `inverse` still holds) routed
+        again with the current bucket map when it was routed with an older one (a batch the planner
+        routed before the map changed)."""
+        version, bucket_map = self._routing
+        if routing.version == version:
+            return routing
+        routed = {name: route(ids, bucket_map) for name, ids in routing.unique_ids.items()}
+        return replace(routing, routed=routed, version=version)
+
     def route(
         self,
         ids: np.ndarray,
@@ -155,8 +190,9 @@ class EmbeddingClient:
         sample-major when `sample_major` = (batch size, block order) is given: then the rows are
         pulled fused) and the start of each table's unique ids in that numbering.
         """
+        version, bucket_map = self._routing
         unique, inverse, unique_starts, counts = dedup_and_route(
-            ids, table_starts, self.bucket_to_shard, sample_major=sample_major
+            ids, table_starts, bucket_map, sample_major=sample_major
         )
         splits = np.zeros((len(tables), counts.shape[1] + 1), dtype=np.int64)
         np.cumsum(counts, axis=1, out=splits[:, 1:])
@@ -171,7 +207,7 @@ class EmbeddingClient:
                 [table_ids[bounds[s] : bounds[s + 1]] for s in range(counts.shape[1])], None, bounds
             )
             spans[name] = (start, stop)
-        return RoutedIds(unique_ids, routed, spans, sample_major is not None), inverse, unique_starts
+        return RoutedIds(unique_ids, routed, spans, sample_major is not None, version), inverse, unique_starts
 
     def tables_of(self, routing: RoutedIds) -> list[tuple[str, str]]:
         """(table to pull, table whose routing/ids it uses); linear companions reuse their table's ids."""
@@ -183,8 +219,9 @@ class EmbeddingClient:
     # -- compute (remote) --------------------------------------------------------------------
     def submit_pull(self, routing: RoutedIds, *, train: bool = True) -> PullRequest:
         """Send every shard its ids; returns at once (prefetch keeps the request)."""
+        routing = self.current(routing)
         pairs = self.tables_of(routing)
-        request = PullRequest([])
+        request = PullRequest([], routing=routing)
         if routing.fused:
             total = sum(ids.size for ids in routing.unique_ids.values())
             request.fused["rows"] = np.empty(
@@ -198,7 +235,7 @@ class EmbeddingClient:
                 for name, source in pairs
                 if routing.routed[source].ids_per_shard[shard].size
             }
-            if request.fused and isinstance(connection, LocalConnection):
+            if request.fused and isinstance(connection, LocalConnection) and _grouped(routing):
                 # Each table's ids are grouped by shard (`Routed.order` None): this shard's rows
                 # have their own slice of the table's span in the fused buffer.
                 out = {}
@@ -215,6 +252,7 @@ class EmbeddingClient:
         return request
 
     def collect_pull(self, routing: RoutedIds, request: PullRequest) -> PulledRows:
+        routing = request.routing or routing
         replies = [handle.result() for handle in request.handles]
         fused = request.fused
         rows: dict[str, np.ndarray] = {}
@@ -233,7 +271,9 @@ class EmbeddingClient:
             rows[name] = buffer[start:stop]
             for shard, part in enumerate(parts):
                 if (shard, name) not in request.in_place and part.shape[0]:
-                    rows[name][routed.splits[shard] : routed.splits[shard + 1]] = decode_rows(part)
+                    span = slice(routed.splits[shard], routed.splits[shard + 1])
+                    where = span if routed.order is None else routed.order[span]
+                    rows[name][where] = decode_rows(part)
         self.bytes_pulled += nbytes
         return PulledRows(routing, rows, nbytes, fused)
 
@@ -256,6 +296,7 @@ class EmbeddingClient:
         step re-run after a crash carries the same id, and a shard that already applied it drops the
         retry.
         """
+        routing = self.current(routing)
         per_shard: list[TableGradients] = [{} for _ in self.connections]
         for name, source in self.tables_of(routing):
             grad_np = gradient_of(name)

@@ -88,6 +88,11 @@ class ParameterShard:
         self.needs_full_checkpoint = False
         self._version_log: _VersionLog | None = None
 
+    @property
+    def pending_step(self) -> int | None:
+        """The sync step still waiting for some trainers' pushes, or None between steps."""
+        return None if self._pending is None else self._pending.step
+
     def record_versions(self) -> None:
         """Count every row's updates from now on and log each training pull's versions (see the
         module docstring); a new call starts from zero. Restores and snapshots are not tracked."""
