@@ -132,11 +132,12 @@ class EmbeddingClient:
         linear_terms: bool = False,
         trainer_index: int = 0,
         wire_precision: str = "fp32",
+        routing_version: int = 0,
     ) -> None:
         check_precision(wire_precision)
         self.connections: list[ShardConnection] = []
         self._routing: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))
-        self.set_routing(connections, bucket_to_shard, version=0)
+        self.set_routing(connections, bucket_to_shard, version=routing_version)
         self.table_dims = dict(table_dims)
         self.linear_terms = linear_terms
         self.trainer_index = trainer_index

@@ -51,6 +51,7 @@ from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir
 from psrec.train.runtime import Runtime, make_runtime
+from psrec.train.scaling import ScaleController
 from psrec.train.startup import startup_report
 from psrec.train.worker import ChunkResult
 
@@ -255,9 +256,17 @@ class Driver:
         self.best_snapshot = False
         self._epoch_steps: int | None = None
         self.resumed_from: dict[str, Any] | None = None
+        self.scaling = ScaleController(self.run_dir, config, runtime)  # `psrec scale`, between steps
 
     # -- the run -------------------------------------------------------------------------------
     def run(self, *, resume: bool) -> dict[str, Any]:
+        self.scaling.begin()
+        try:
+            return self._run(resume=resume)
+        finally:
+            self.scaling.end()
+
+    def _run(self, *, resume: bool) -> dict[str, Any]:
         if not (resume and self._restore_latest()):
             self.runtime.start_epoch(0)
             self._checkpoint()  # step 0: a failure before the first periodic checkpoint rolls back here
@@ -301,6 +310,8 @@ class Driver:
                 self.runtime.start_epoch(state.epoch)
             exhausted = False
             while not exhausted:
+                if self.scaling.poll(self.state.step):  # moved rows are in no delta: the next is full
+                    self.since_full = self.config.checkpoint.full_every
                 chunk = self._chunk_size()
                 if chunk <= 0:  # max_steps reached mid-epoch: a later resume with more steps goes on
                     self._checkpoint()
@@ -564,6 +575,7 @@ class Driver:
             "checkpoints": self.checkpoint_seconds,
             "recoveries": self.recoveries,
             "failovers": self.runtime.failovers(),
+            "resharding": self.scaling.report(),
             "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
             "placement": self.runtime.placement,

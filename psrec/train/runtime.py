@@ -88,6 +88,9 @@ class RuntimeBase:
 
     config: RunConfig
     _lr_factor: float = 1.0
+    # bucket -> shard once the shard count changed while training (`psrec.train.scaling`), and its version
+    _bucket_map: np.ndarray | None = None
+    _routing_version: int = 0
     # where each actor runs (`psrec.train.placement.placement_report`); empty in process
     placement: dict[str, Any] = {}  # replaced per runtime, never mutated
 
@@ -114,6 +117,10 @@ class RuntimeBase:
         raise NotImplementedError
 
     # -- shared ----------------------------------------------------------------------------------
+    def bucket_map(self) -> np.ndarray:
+        """Bucket -> shard now: the config's layout until the shard count changes while training."""
+        return builders.bucket_map(self.config) if self._bucket_map is None else self._bucket_map
+
     def _all_trainers(self, method: str, *args: Any) -> list[Any]:
         return self._each_trainer(method, [args] * self.num_trainers)
 
@@ -173,7 +180,7 @@ class RuntimeBase:
                 trainers=states,
                 extra=extra,
                 config=self.config.fingerprint_dict(),
-                bucket_map=builders.bucket_map(self.config).tolist(),
+                bucket_map=self.bucket_map().tolist(),
                 parent=parent,
             )
         except BaseException:
@@ -258,7 +265,7 @@ class LocalRuntime(RuntimeBase):
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
         for shard in self.shards:  # a chain of another shard count is resharded on the way in
-            restore_shard(shard, chain, step, bucket_map=builders.bucket_map(self.config))
+            restore_shard(shard, chain, step, bucket_map=self.bucket_map())
 
     def dead_actors(self) -> list[str]:
         return []  # everything runs in this process: a failure is an exception, not a death
@@ -355,9 +362,11 @@ class RayRuntime(RuntimeBase):
 
         ps = self.config.ps
         options = self._trainer_group.start(ps.num_trainers)
+        routed = self.shards[: int(self.bucket_map().max()) + 1]  # shards a resharding added or kept
+        routing = {"bucket_map": self._bucket_map, "routing_version": self._routing_version}
         self.trainers = [
             self._trainer_class.options(**options[i]).remote(
-                self.config, i, self.shards, base_dir=self._base_dir, data_sources=self._data_sources
+                self.config, i, routed, base_dir=self._base_dir, data_sources=self._data_sources, **routing
             )
             for i in range(ps.num_trainers)
         ]
@@ -402,7 +411,7 @@ class RayRuntime(RuntimeBase):
         if self.collective:
             self._partitions("restore", chain, step)
         else:  # a chain of another shard count is resharded on the way in
-            self._partitions("restore", chain, step, builders.bucket_map(self.config))
+            self._partitions("restore", chain, step, self.bucket_map())
 
     def _checkpoint_committed(self, ref: CheckpointRef) -> None:
         if self._failover is not None:

@@ -81,6 +81,8 @@ class TrainerWorker:
         *,
         base_dir: str = ".",
         data_sources: dict[str, dict[str, Any]] | None = None,
+        bucket_map: np.ndarray | None = None,
+        routing_version: int = 0,
     ) -> None:
         self.config = config  # validated once by the driver; Ray pickles it to the actor
         set_thread_counts(self.config.ps.trainer_resources.threads)
@@ -128,16 +130,16 @@ class TrainerWorker:
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
             if local:  # pulls and pushes run on the training thread: input threads hold back then
                 self._input_gate = InputGate()
-            self._build_runner(
-                EmbeddingClient(
-                    connections,
-                    builders.bucket_map(self.config),
-                    table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
-                    wire_precision=self.config.ps.wire_precision if not local else "fp32",
-                    linear_terms=self._linear_terms(),
-                    trainer_index=trainer_index // self.num_stages,
-                )
+            client = EmbeddingClient(
+                connections,
+                builders.bucket_map(self.config) if bucket_map is None else bucket_map,
+                table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
+                wire_precision=self.config.ps.wire_precision if not local else "fp32",
+                linear_terms=self._linear_terms(),
+                trainer_index=trainer_index // self.num_stages,
+                routing_version=routing_version,
             )
+            self._build_runner(client)
         self.step = 0
         self.epoch = -1
         self._reader: Any = None
@@ -202,6 +204,15 @@ class TrainerWorker:
                 self._collective_connection, linear_terms=self._linear_terms(), num_buckets=num_buckets
             )
         )
+
+    def set_routing(self, shards: list[Any], bucket_map: np.ndarray, version: int) -> int:
+        """Route through `shards` with `bucket_map` from the next step on (the shard count changes
+        while training, `psrec.train.scaling`); returns the version now in use."""
+        connections: list[ShardConnection] = [
+            LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
+        ]
+        self.client.client.set_routing(connections, bucket_map, version=version)
+        return self.client.client.routing_version
 
     # -- the local shard of strategy "collective" ------------------------------------------------
     def shard_call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,608 @@
+"""Changing the shard count while training: `psrec scale RUN_DIR --shards N` and the driver's side.
+
+`psrec scale` (`request_scale`) checks that a driver is training in RUN_DIR and writes a request,
+atomically, to ``RUN_DIR/scale-request.json``. The driver (`ScaleController.poll`, called between
+the trainers' chunks of steps) picks it up, checks it, and then, one round per step boundary:
+
+1. starts the new shard actors (growing), without waiting for them: training goes on meanwhile;
+2. once they answer, moves at most ``buckets_per_round`` virtual buckets per boundary to where the
+   balanced layout of N shards puts them (`psrec.ps.bucket_move`: copy rows, optimizer state,
+   counts and snapshots; every trainer switches to the new, versioned bucket map; the source drops
+   its copy). No pull or push is in flight at a boundary, so nothing is lost or applied twice;
+3. stops the shards left without buckets (shrinking).
+
+``RUN_DIR/scale.json`` says where it stands (``state``: accepted, starting, moving, done or refused,
+with the rounds done, the pause of each and a message) and keeps every request handled; the run's
+``summary.json`` lists them under ``resharding``. ``RUN_DIR/driver.json`` names the training process
+while it runs (`psrec scale` refuses a run without one). The next checkpoint after a move is full;
+checkpoints restore into any shard count (`psrec.ps.reshard`). A failure during a move rolls the
+job back as any actor failure does, into the current layout, and the moves go on from there.
+
+Refused, with the reason in ``scale.json`` and nothing moved: a count below 1 or above
+``ps.num_buckets``, a second request while one is in progress, an unreadable request, strategy
+``collective`` (the trainers hold the tables), ``fault_tolerance.shard_failover`` (a shard's log
+replays its own operations only), a count the Ray cluster has no CPUs for.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any, Protocol
+
+import numpy as np
+
+from psrec import storage
+from psrec.config import RunConfig
+from psrec.ps import bucket_move
+from psrec.ps.bucket_move import BucketMove, MoveError
+from psrec.ps.shard import ParameterShard
+from psrec.train import builders
+
+logger = logging.getLogger(__name__)
+
+REQUEST_FILE = "scale-request.json"
+STATUS_FILE = "scale.json"
+DRIVER_FILE = "driver.json"
+DEFAULT_BUCKETS_PER_ROUND = 64
+START_TIMEOUT_S = 300.0  # new shard actors that do not answer by then: the request is refused
+
+
+class ScaleError(ValueError):
+    """A scale request that cannot be made (`psrec scale` prints it)."""
+
+
+class Phase(enum.Enum):
+    """The controller's life cycle: idle -> (starting ->) moving -> idle."""
+
+    IDLE = "idle"
+    STARTING = "starting"
+    MOVING = "moving"
+
+
+# -- the CLI side ------------------------------------------------------------------------------------
+def request_scale(
+    run_dir: str, shards: int, *, buckets_per_round: int = DEFAULT_BUCKETS_PER_ROUND
+) -> dict[str, Any]:
+    """Ask the driver training in `run_dir` to change its shard count to `shards`; the request written.
+
+    Raises `ScaleError` (naming the value and what to do) when no driver trains there, when its
+    config cannot reshard, when `shards` is outside [1, ps.num_buckets], or when a request is
+    already waiting or in progress."""
+    root = storage.location(run_dir)
+    config = _read_json(root / "config.json", what="the run's config")
+    if config is None:
+        raise ScaleError(f"{run_dir}: not a psrec run directory (no config.json)")
+    driver = _read_json(root / DRIVER_FILE, what="the driver's file")
+    if driver is None:
+        raise ScaleError(
+            f"{run_dir}: no training is running there (no {DRIVER_FILE}; a finished or stopped run has "
+            "none). To train on another shard count, resume it: psrec train CONFIG --resume "
+            f"{run_dir} --set ps.num_shards={shards}"
+        )
+    if driver.get("host") == socket.gethostname() and not _alive(int(driver.get("pid", -1))):
+        raise ScaleError(
+            f"{run_dir}: the driver that trained it (pid {driver.get('pid')}) is not running any more; "
+            f"resume the run with --set ps.num_shards={shards}"
+        )
+    refusal = config_refusal(_Settings.of_json(config))
+    if refusal:
+        raise ScaleError(f"{run_dir}: {refusal}")
+    try:
+        bucket_move.check_shard_count(shards, int(config["ps"]["num_buckets"]))
+    except MoveError as error:
+        raise ScaleError(f"--shards {shards}: {error}") from None
+    if isinstance(buckets_per_round, bool) or not isinstance(buckets_per_round, int) or buckets_per_round < 1:
+        raise ScaleError(f"--buckets-per-round must be an integer >= 1, got {buckets_per_round!r}")
+    waiting = _read_json(root / REQUEST_FILE, what="the waiting request")
+    if waiting is not None:
+        raise ScaleError(
+            f"{run_dir}: request {waiting.get('id')} (to {waiting.get('shards')} shards) waits for the "
+            "driver already; wait until scale.json says done or refused, then ask again"
+        )
+    status = _read_json(root / STATUS_FILE, what="the scale status")
+    current = (status or {}).get("current") or {}
+    if current.get("state") in ("accepted", "starting", "moving"):
+        raise ScaleError(
+            f"{run_dir}: resharding to {current.get('shards')} shards is in progress "
+            f"({current.get('state')}, {current.get('buckets_left')} buckets left): wait until scale.json "
+            "says done, then ask again"
+        )
+    request = {
+        "id": uuid.uuid4().hex[:12],
+        "shards": shards,
+        "buckets_per_round": buckets_per_round,
+        "requested_at": time.time(),
+    }
+    _write_json(root / REQUEST_FILE, request)
+    return request
+
+
+def wait_for(run_dir: str, request_id: str, *, timeout: float) -> dict[str, Any]:
+    """The scale status entry of `request_id` once it is done or refused (polled every 0.2 s)."""
+    root = storage.location(run_dir)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = _read_json(root / STATUS_FILE, what="the scale status") or {}
+        for entry in [status.get("current") or {}, *status.get("history", [])]:
+            if entry.get("id") == request_id and entry.get("state") in ("done", "refused", "stopped"):
+                return entry
+        time.sleep(0.2)
+    raise ScaleError(
+        f"{run_dir}: request {request_id} not finished after {timeout:.0f} s (see {STATUS_FILE})"
+    )
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_json(path: storage.Location, *, what: str) -> dict[str, Any] | None:
+    """The JSON object at `path`, None when there is no file; a `ScaleError` naming it when it is not
+    one."""
+    try:
+        if not path.exists():
+            return None
+        value = json.loads(path.read_text())
+    except (OSError, storage.StorageError, ValueError) as error:
+        raise ScaleError(f"{path}: {what} cannot be read ({error})") from None
+    if not isinstance(value, dict):
+        raise ScaleError(f"{path}: {what} is not a JSON object")
+    return value
+
+
+def _write_json(path: storage.Location, value: dict[str, Any]) -> None:
+    """Written whole or not at all: a temporary name then a rename (an object store's put is atomic)."""
+    text = json.dumps(value, indent=2, default=float)
+    if isinstance(path, storage.StoragePath):
+        path.write_text(text)
+        return
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+# -- what can reshard ----------------------------------------------------------------------------------
+class _Settings:
+    """The config fields a resharding depends on, from a RunConfig or the run's config.json."""
+
+    def __init__(self, strategy: str, shard_failover: bool, num_buckets: int) -> None:
+        self.strategy = strategy
+        self.shard_failover = shard_failover
+        self.num_buckets = num_buckets
+
+    @classmethod
+    def of(cls, config: RunConfig) -> _Settings:
+        return cls(config.ps.strategy, config.fault_tolerance.shard_failover, config.ps.num_buckets)
+
+    @classmethod
+    def of_json(cls, config: dict[str, Any]) -> _Settings:
+        ps, fault = config.get("ps", {}), config.get("fault_tolerance", {})
+        return cls(
+            ps.get("strategy", "ps"), bool(fault.get("shard_failover")), int(ps.get("num_buckets", 1024))
+        )
+
+
+def config_refusal(settings: _Settings) -> str | None:
+    """Why a run with these settings cannot change its shard count while training, or None."""
+    if settings.strategy == "collective":
+        return (
+            "strategy 'collective' keeps the tables in the trainers, not in shards: there are no shards "
+            "to add or remove"
+        )
+    if settings.shard_failover:
+        return (
+            "fault_tolerance.shard_failover is on: a shard's log replays only its own operations, so its "
+            "buckets cannot move while training; turn shard_failover off to reshard live, or resume the "
+            "run with --set ps.num_shards=N"
+        )
+    return None
+
+
+# -- the shards of a runtime ---------------------------------------------------------------------------
+class ShardSet(Protocol):
+    """What the controller does with a runtime's shards (in process or Ray actors)."""
+
+    def count(self) -> int: ...
+
+    def capacity_error(self, count: int) -> str | None: ...
+
+    def start(self, count: int) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    def adopt(self, step: int) -> None: ...
+
+    def move(self, moves: list[BucketMove], num_buckets: int) -> int: ...
+
+    def switch(self, bucket_map: np.ndarray, version: int) -> None: ...
+
+    def drop(self, moves: list[BucketMove], num_buckets: int) -> None: ...
+
+    def retire(self, count: int) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+class LocalShards:
+    """The in-process runtime's shards (`psrec.train.runtime.LocalRuntime`)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._starting: list[ParameterShard] = []
+
+    def count(self) -> int:
+        return len(self.runtime.shards)
+
+    def capacity_error(self, count: int) -> str | None:
+        return None
+
+    def start(self, count: int) -> None:
+        config = self.runtime.config
+        self._starting = [
+            ParameterShard(
+                index,
+                builders.build_tables(config, partitions=config.ps.num_shards),
+                num_trainers=1,
+                mode=config.ps.mode,
+            )
+            for index in range(self.count(), count)
+        ]
+
+    def ready(self) -> bool:
+        return True
+
+    def adopt(self, step: int) -> None:
+        for shard in self._starting:
+            bucket_move.start_at(shard, step)
+        self.runtime.shards.extend(self._starting)
+        self._starting = []
+
+    def move(self, moves: list[BucketMove], num_buckets: int) -> int:
+        shards = self.runtime.shards
+        return sum(
+            bucket_move.add_bucket_rows(
+                shards[m.destination],
+                bucket_move.bucket_rows(shards[m.source], m.buckets, num_buckets),
+                num_buckets=num_buckets,
+            )
+            for m in moves
+        )
+
+    def switch(self, bucket_map: np.ndarray, version: int) -> None:
+        self.runtime._bucket_map, self.runtime._routing_version = bucket_map, version
+        routed = self.runtime.shards[: int(bucket_map.max()) + 1]
+        _check_versions([self.runtime.trainer.set_routing(routed, bucket_map, version)], version)
+
+    def drop(self, moves: list[BucketMove], num_buckets: int) -> None:
+        for m in moves:
+            bucket_move.drop_buckets(self.runtime.shards[m.source], m.buckets, num_buckets)
+
+    def retire(self, count: int) -> None:
+        del self.runtime.shards[count:]
+
+    def abandon(self) -> None:
+        self._starting = []
+
+
+class RayShards:
+    """The Ray runtime's shard actors (`psrec.train.runtime.RayRuntime`)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self._starting: list[Any] = []
+        self._answers: list[Any] = []
+
+    def count(self) -> int:
+        return len(self.runtime.shards)
+
+    def capacity_error(self, count: int) -> str | None:
+        import ray
+
+        ps = self.runtime.config.ps
+        added = max(0, count - self.count()) * ps.shard_resources.num_cpus
+        free = ray.available_resources().get("CPU", 0.0)
+        if added > free:
+            return (
+                f"{count} shards need {added:g} more CPUs (ps.shard_resources.num_cpus "
+                f"{ps.shard_resources.num_cpus:g} each) but the Ray cluster has {free:g} free: add nodes or "
+                "lower ps.shard_resources.num_cpus"
+            )
+        return None
+
+    def start(self, count: int) -> None:
+        self._starting = [self.runtime._start_shard(index) for index in range(self.count(), count)]
+        self._answers = [shard.pid.remote() for shard in self._starting]
+
+    def ready(self) -> bool:
+        import ray
+
+        done, _ = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
+        if len(done) < len(self._answers):
+            return False
+        ray.get(done)  # a shard that failed to start raises here
+        return True
+
+    def adopt(self, step: int) -> None:
+        _get([shard.start_at.remote(step) for shard in self._starting])
+        self.runtime.shards.extend(self._starting)
+        self._starting, self._answers = [], []
+
+    def move(self, moves: list[BucketMove], num_buckets: int) -> int:
+        shards = self.runtime.shards
+        # each export goes from its source to its destination in the object store, not through here
+        exported = [shards[m.source].export_buckets.remote(list(m.buckets), num_buckets) for m in moves]
+        added = [
+            shards[m.destination].import_buckets.remote(rows, num_buckets)
+            for m, rows in zip(moves, exported, strict=True)
+        ]
+        return int(sum(_get(added)))
+
+    def switch(self, bucket_map: np.ndarray, version: int) -> None:
+        self.runtime._bucket_map, self.runtime._routing_version = bucket_map, version
+        routed = self.runtime.shards[: int(bucket_map.max()) + 1]
+        trainers = self.runtime.trainers
+        _check_versions(_get([t.set_routing.remote(routed, bucket_map, version) for t in trainers]), version)
+
+    def drop(self, moves: list[BucketMove], num_buckets: int) -> None:
+        shards = self.runtime.shards
+        _get([shards[m.source].drop_buckets.remote(list(m.buckets), num_buckets) for m in moves])
+
+    def retire(self, count: int) -> None:
+        import ray
+
+        for shard in self.runtime.shards[count:]:
+            ray.kill(shard)
+        del self.runtime.shards[count:]
+
+    def abandon(self) -> None:
+        import ray
+
+        for shard in self._starting:
+            ray.kill(shard)
+        self._starting, self._answers = [], []
+
+
+def _get(refs: list[Any]) -> list[Any]:
+    from psrec.train.runtime import _get as get_all
+
+    return get_all(refs)
+
+
+def _check_versions(versions: list[int], version: int) -> None:
+    if any(v != version for v in versions):
+        raise RuntimeError(f"trainers route with bucket map versions {versions}, the driver with {version}")
+
+
+def shard_set(runtime: Any) -> ShardSet | None:
+    """The runtime's shards as a `ShardSet`, or None for a runtime that cannot reshard."""
+    from psrec.train.runtime import LocalRuntime, RayRuntime
+
+    if isinstance(runtime, LocalRuntime):
+        return LocalShards(runtime)
+    if isinstance(runtime, RayRuntime) and not runtime.collective:
+        return RayShards(runtime)
+    return None
+
+
+# -- the driver's side ---------------------------------------------------------------------------------
+class ScaleController:
+    """Polls the run directory for scale requests and carries them out, one round per step boundary
+    (see the module docstring). `poll` returns True when buckets moved (the next checkpoint must then
+    be full)."""
+
+    def __init__(self, run_dir: str, config: RunConfig, runtime: Any) -> None:
+        self.root = storage.location(run_dir)
+        self.settings = _Settings.of(config)
+        self.shards = shard_set(runtime)
+        self.runtime = runtime
+        self.phase = Phase.IDLE
+        self.current: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+        self._target: np.ndarray | None = None
+        self._started_at = 0.0
+
+    # -- the driver's file ---------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Say that this process trains the run (`psrec scale` looks for it)."""
+        _write_json(
+            self.root / DRIVER_FILE,
+            {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()},
+        )
+
+    def end(self) -> None:
+        """The run is over: a resharding still going on stops here (the model is whole at every
+        boundary), and the driver's file goes."""
+        if self.current is not None and self.phase is not Phase.IDLE:
+            self._finish(
+                "stopped", f"the run ended with {self.current.get('buckets_left')} buckets left to move"
+            )
+        if self.shards is not None:
+            self.shards.abandon()
+        try:
+            (self.root / DRIVER_FILE).unlink(missing_ok=True)
+        except (OSError, storage.StorageError) as error:
+            logger.warning("%s stays: %s", self.root / DRIVER_FILE, error)
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every request handled so far, oldest first (summary.json's ``resharding``)."""
+        return [*self.history, *([self.current] if self.current is not None else [])]
+
+    # -- between steps ---------------------------------------------------------------------------------
+    def poll(self, step: int) -> bool:
+        if self.phase is Phase.IDLE:
+            self._take_request(step)
+        if self.phase is Phase.STARTING:
+            assert self.shards is not None
+            try:
+                ready = self.shards.ready()
+            except Exception as error:  # noqa: BLE001 - a new shard that died while starting
+                self.shards.abandon()
+                self._finish("refused", f"a new shard failed to start: {error}")
+                return False
+            if not ready:
+                if time.monotonic() - self._started_at > START_TIMEOUT_S:
+                    self.shards.abandon()
+                    self._finish("refused", f"the new shards did not start within {START_TIMEOUT_S:.0f} s")
+                return False
+            self.shards.adopt(step)
+            self.phase = Phase.MOVING
+        elif self.phase is Phase.MOVING:
+            self._refuse_waiting()
+        if self.phase is Phase.MOVING:
+            return self._round(step)
+        return False
+
+    def _take_request(self, step: int) -> None:
+        path = self.root / REQUEST_FILE
+        try:
+            if not path.exists():
+                return
+            text = path.read_text()
+            path.unlink(missing_ok=True)
+        except (OSError, storage.StorageError) as error:
+            logger.warning("%s cannot be read: %s", path, error)
+            return
+        request, problem = self._checked(text)
+        self.current = {**request, "state": "accepted", "step": step, "rounds": []}
+        if problem is not None:
+            self._finish("refused", problem)
+            return
+        assert self.shards is not None
+        count, wanted = self.shards.count(), int(request["shards"])
+        self.current.update(from_shards=count, shards=wanted, accepted_at=time.time())
+        self._target = bucket_move.balanced_map(self.runtime.bucket_map(), wanted)
+        self.current["buckets_left"] = int(np.count_nonzero(self._target != self.runtime.bucket_map()))
+        logger.info("step %d: resharding %d -> %d shards (request %s)", step, count, wanted, request["id"])
+        if wanted > count:
+            self.shards.start(wanted)
+            self._started_at = time.monotonic()
+            self.phase = Phase.STARTING
+            self.current["state"] = "starting"
+        else:
+            self.phase = Phase.MOVING
+            self.current["state"] = "moving"
+        self._write_status()
+
+    def _checked(self, text: str) -> tuple[dict[str, Any], str | None]:
+        """The request and why it is refused (None: it is carried out)."""
+        where = str(self.root / REQUEST_FILE)
+        try:
+            request = json.loads(text)
+        except ValueError as error:
+            return {"id": None}, f"{where} is not JSON ({error}): write it with psrec scale"
+        if not isinstance(request, dict):
+            return {"id": None}, f"{where} is not a JSON object: write it with psrec scale"
+        refusal = config_refusal(self.settings)
+        if refusal is None and self.shards is None:
+            refusal = "this runtime cannot change its shard count while training"
+        if refusal is not None:
+            return request, refusal
+        try:
+            wanted = bucket_move.check_shard_count(request.get("shards"), self.settings.num_buckets)
+        except MoveError as error:
+            return request, f"{where}: shards: {error}"
+        per_round = request.setdefault("buckets_per_round", DEFAULT_BUCKETS_PER_ROUND)
+        if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
+            return request, f"{where}: buckets_per_round must be an integer >= 1, got {per_round!r}"
+        assert self.shards is not None
+        return request, self.shards.capacity_error(wanted)
+
+    def _refuse_waiting(self) -> None:
+        """A request that arrives while another is carried out is refused (nothing of it is done)."""
+        path = self.root / REQUEST_FILE
+        if not path.exists():
+            return
+        try:
+            request = json.loads(path.read_text())
+        except ValueError:
+            request = {}
+        path.unlink(missing_ok=True)
+        assert self.current is not None
+        self.history.append(
+            {
+                **(request if isinstance(request, dict) else {}),
+                "state": "refused",
+                "message": f"resharding to {self.current['shards']} shards is in progress: ask again once "
+                "it is done",
+            }
+        )
+        self._write_status()
+
+    def _round(self, step: int) -> bool:
+        """One round of moves at this boundary; the last one retires emptied shards. True if buckets moved."""
+        assert self.shards is not None and self._target is not None and self.current is not None
+        current_map = self.runtime.bucket_map()
+        rounds = bucket_move.move_rounds(
+            current_map, self._target, max_buckets=int(self.current["buckets_per_round"])
+        )
+        moved = False
+        if rounds:
+            moves = rounds[0]
+            started = time.perf_counter()
+            rows = self.shards.move(moves, self.settings.num_buckets)
+            copied = time.perf_counter()
+            new_map = bucket_move.apply_round(current_map, moves)
+            self.shards.switch(new_map, self.runtime._routing_version + 1)
+            switched = time.perf_counter()
+            self.shards.drop(moves, self.settings.num_buckets)
+            done = time.perf_counter()
+            buckets = sum(len(m.buckets) for m in moves)
+            self.current["rounds"].append(
+                {
+                    "step": step,
+                    "buckets": buckets,
+                    "rows": rows,
+                    "seconds": done - started,
+                    "copy_seconds": copied - started,
+                    "switch_seconds": switched - copied,
+                    "drop_seconds": done - switched,
+                }
+            )
+            self.current["buckets_left"] = int(np.count_nonzero(self._target != new_map))
+            moved = True
+        if len(rounds) <= 1:
+            self.shards.retire(int(self.current["shards"]))
+            self._finish("done", None)
+        else:
+            self._write_status()
+        return moved
+
+    def _finish(self, state: str, message: str | None) -> None:
+        assert self.current is not None
+        self.current.update(state=state, finished_at=time.time())
+        if message is not None:
+            self.current["message"] = message
+            logger.warning("scale request %s refused: %s", self.current.get("id"), message)
+        else:
+            rounds = self.current["rounds"]
+            logger.info(
+                "resharded to %d shards: %d buckets in %d rounds, %.3f s of pauses",
+                self.current["shards"],
+                sum(r["buckets"] for r in rounds),
+                len(rounds),
+                sum(r["seconds"] for r in rounds),
+            )
+        self.history.append(self.current)
+        self.current, self._target, self.phase = None, None, Phase.IDLE
+        self._write_status()
+
+    def _write_status(self) -> None:
+        status = {"current": self.current, "history": self.history}
+        try:
+            _write_json(self.root / STATUS_FILE, status)
+        except (OSError, storage.StorageError) as error:
+            logger.warning("%s not written: %s", self.root / STATUS_FILE, error)
