@@ -12,15 +12,17 @@
    id;
 4. **push** (`submit_push`): after backward, the leaves' gradients go back through the client.
 
-When every pooled feature has one id per sample, all tables have one dim and there are no
-sequences, the plan is *fused*: the rows of all tables are pulled into ONE buffer and pooling is one
+When all tables have one dim and there are no sequences, the rows of all tables are pulled into ONE
+buffer. If every pooled feature then has one id per sample, the plan is *fused*: pooling is one
 gather at sample-major positions (`psrec.train.pooling`), which the route step writes directly.
+Otherwise (bags: multi-valued features) the plan is *bagged*: one kernel pools every feature's bags
+from that buffer (`psrec.train.bag_pooling`, `LookupPlan.bag_offsets`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from psrec.ps.client import (
     fused_key,
     linear_table_name,
 )
+from psrec.train.bag_pooling import pool_bags
 from psrec.train.pooling import gather_rows
 
 
@@ -47,7 +50,8 @@ class FeatureIndex:
     name: str
     table: str
     # positions into the table's unique ids; in a fused plan (`LookupPlan.fused_index` set), a view
-    # of the fused index: positions into the fused buffer
+    # of the fused index, in a bagged one (`LookupPlan.bag_offsets` set) of `bag_index`: positions
+    # into the fused buffer
     inverse: np.ndarray
     offsets: np.ndarray | None  # (B,) bag starts for multi-valued pooled features; None otherwise
     mask: np.ndarray | None  # (B, L) for sequences
@@ -63,6 +67,10 @@ class LookupPlan:
     sequences: list[FeatureIndex]
     batch_size: int
     fused_index: np.ndarray | None = None  # (B * F,) sample-major rows of the fused buffer
+    # Bagged plan: every id's row in the fused buffer, and bag (f, b) of pooled feature f is
+    # bag_index[bag_offsets[f, b]:bag_offsets[f, b + 1]] (F, B + 1) (`psrec.train.bag_pooling`).
+    bag_index: np.ndarray | None = None
+    bag_offsets: np.ndarray | None = None
 
     @property
     def unique_ids(self) -> dict[str, np.ndarray]:
@@ -176,13 +184,13 @@ class BatchLookup:
             sparse.single_valued or (size == b and bool((sparse.lengths[f * b : (f + 1) * b] == 1).all()))
             for f, (_, _, _, size, _) in enumerate(features[: len(sparse.keys)])
         ]
-        fused = (
+        one_buffer = (
             b > 0
             and bool(single)
             and not batch.sequences
-            and all(single)
             and len({self.client.table_dims[name] for name in names}) == 1
         )
+        fused = one_buffer and all(single)
         routing, inverse, unique_starts = self.client.route(
             all_ids,
             table_starts=table_starts,
@@ -202,6 +210,8 @@ class BatchLookup:
             for f in per_table[name]:
                 at[f] = position
                 position += features[f][3]
+        if one_buffer:  # bagged: `inverse` numbers all tables' unique ids, as the fused buffer holds them
+            return self._bagged_plan(routing, inverse, features, at, b, sparse.lengths)
         position_of = {name: t for t, name in enumerate(names)}
         pooled: list[FeatureIndex] = []
         sequences: list[FeatureIndex] = []
@@ -218,6 +228,29 @@ class BatchLookup:
                 np.cumsum(lengths[:-1], out=offsets[1:])
             pooled.append(FeatureIndex(key, table, local, offsets, None, single[f]))
         return LookupPlan(routing, pooled, sequences, b, None)
+
+    @staticmethod
+    def _bagged_plan(
+        routing: RoutedIds,
+        inverse: np.ndarray,
+        features: list[_Feature],
+        at: dict[int, int],
+        batch_size: int,
+        lengths: np.ndarray,
+    ) -> LookupPlan:
+        """The plan of pooled features with bags, all tables of one dim and no sequences: the rows are
+        pulled into one buffer, and `inverse` (all tables' unique ids numbered back to back, in
+        `all_ids` order, feature f's ids from `at[f]`) indexes it directly."""
+        b = batch_size
+        bag_offsets = np.empty((len(features), b + 1), dtype=np.int64)
+        pooled = []
+        for f, (key, table, _, size, _) in enumerate(features):
+            bag_offsets[f, 0] = at[f]
+            np.cumsum(lengths[f * b : (f + 1) * b], out=bag_offsets[f, 1:])
+            bag_offsets[f, 1:] += at[f]
+            starts = bag_offsets[f, :-1] - at[f]
+            pooled.append(FeatureIndex(key, table, inverse[at[f] : at[f] + size], starts, None, False))
+        return LookupPlan(replace(routing, fused=True), pooled, [], b, None, inverse, bag_offsets)
 
     def _features(self, batch: Batch) -> tuple[list[_Feature], dict[str, np.ndarray]]:
         """Every pooled feature and sequence of `batch` with its table, and the sequences' ids."""
@@ -267,8 +300,9 @@ class BatchLookup:
     ) -> tuple[ModelInput, RowLeaves]:
         """Build the model input from pulled rows; returns it and the rows' leaf tensors (for `push`).
 
-        `pooled_dtype` bfloat16 gathers single-valued features' rows in bf16 (psrec.train.pooling); the
-        rows themselves and their gradients stay float32."""
+        `pooled_dtype` bfloat16 gathers (pools) the rows of pooled features in bf16 when the rows are
+        in one buffer (psrec.train.pooling, psrec.train.bag_pooling); the rows themselves and their
+        gradients stay float32."""
         leaves = RowLeaves(pulled, requires_grad)
         b = plan.batch_size
         linear_terms = self.client.linear_terms
@@ -281,6 +315,12 @@ class BatchLookup:
             pooled = gather_rows(leaves.fused["rows"], plan.fused_index, features, pooled_dtype)
             if linear_terms:
                 linear = gather_rows(leaves.fused["linear"], plan.fused_index, features).squeeze(-1)  # (B, F)
+        elif plan.bag_offsets is not None:
+            assert plan.bag_index is not None
+            # Every feature's bags pooled by one kernel from the one buffer (psrec.train.bag_pooling).
+            pooled = pool_bags(leaves.fused["rows"], plan.bag_index, plan.bag_offsets, dtype=pooled_dtype)
+            if linear_terms:
+                linear = pool_bags(leaves.fused["linear"], plan.bag_index, plan.bag_offsets).squeeze(-1)
         elif plan.pooled:
             pooled = _pool(leaves, plan.pooled, b, lambda table: table)  # (B, F, D)
             if linear_terms:
