@@ -31,7 +31,34 @@ def build_parser() -> argparse.ArgumentParser:
     parallel_commands.register(subparsers)
     bench_commands.register(subparsers)
     serve_commands.register(subparsers)
+    scale = subparsers.add_parser("scale", help="change the shard count of a job while it trains")
+    scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the training job")
+    scale.add_argument("--shards", type=int, required=True, help="the new number of PS shards")
+    scale.add_argument(
+        "--buckets-per-round", type=int, default=64, help="virtual buckets moved per step boundary"
+    )
+    scale.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait for the result")
+    scale.set_defaults(func=_scale)
     return parser
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """`psrec scale RUN_DIR --shards N`: write the request the driver picks up between steps."""
+    import json
+
+    from psrec.train.scaling import ScaleError, request_scale, wait_for
+
+    try:
+        request = request_scale(args.run_dir, args.shards, buckets_per_round=args.buckets_per_round)
+        print(f"request {request['id']}: {args.shards} shards, written to {args.run_dir}/scale-request.json")
+        if args.wait <= 0:
+            return 0
+        entry = wait_for(args.run_dir, request["id"], timeout=args.wait)
+    except ScaleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(entry, indent=2, default=float))
+    return 0 if entry["state"] == "done" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -234,6 +234,7 @@ class ParameterShard:
                     table.apply_delta(TableDelta.from_arrays(per_table[name]))
         self._markers = {name: table.delta_marker() for name, table in self.tables.items()}
         self._staged_markers = {}
+        self.needs_full_checkpoint = False  # the tables are the chain's: a delta from it is whole
         self._pending = None
         self.applied_step = step - 1
         self.last_request = {trainer: step - 1 for trainer in range(self.num_trainers)}
