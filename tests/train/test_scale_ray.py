@@ -127,7 +127,7 @@ def test_a_shard_killed_during_a_bucket_move_is_recovered_and_the_model_is_the_u
     """The second round of 2 -> 3 copies buckets to shard 2, SIGKILLed as the copy starts."""
     import ray
 
-    move, killed = RayShards.move, []
+    move, killed = RayShards.move, list[int]()
 
     def move_into_a_dead_shard(self: RayShards, moves: list[Any], num_buckets: int) -> int:
         if self.runtime._routing_version == 1 and not killed:  # round 1 done: this is round 2
