@@ -33,16 +33,15 @@ import os
 import socket
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from psrec import storage
 from psrec.config import RunConfig
 from psrec.ps import bucket_move
-from psrec.ps.bucket_move import BucketMove, MoveError
-from psrec.ps.shard import ParameterShard
-from psrec.train import builders
+from psrec.ps.bucket_move import MoveError
+from psrec.train.shard_set import shard_set
 
 logger = logging.getLogger(__name__)
 
@@ -212,192 +211,6 @@ def config_refusal(settings: _Settings) -> str | None:
     return None
 
 
-# -- the shards of a runtime ---------------------------------------------------------------------------
-class ShardSet(Protocol):
-    """What the controller does with a runtime's shards (in process or Ray actors)."""
-
-    def count(self) -> int: ...
-
-    def capacity_error(self, count: int) -> str | None: ...
-
-    def start(self, count: int) -> None: ...
-
-    def ready(self) -> bool: ...
-
-    def adopt(self, step: int) -> None: ...
-
-    def move(self, moves: list[BucketMove], num_buckets: int) -> int: ...
-
-    def switch(self, bucket_map: np.ndarray, version: int) -> None: ...
-
-    def drop(self, moves: list[BucketMove], num_buckets: int) -> None: ...
-
-    def retire(self, count: int) -> None: ...
-
-    def abandon(self) -> None: ...
-
-
-class LocalShards:
-    """The in-process runtime's shards (`psrec.train.runtime.LocalRuntime`)."""
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self._starting: list[ParameterShard] = []
-
-    def count(self) -> int:
-        return len(self.runtime.shards)
-
-    def capacity_error(self, count: int) -> str | None:
-        return None
-
-    def start(self, count: int) -> None:
-        config = self.runtime.config
-        self._starting = [
-            ParameterShard(
-                index,
-                builders.build_tables(config, partitions=config.ps.num_shards),
-                num_trainers=1,
-                mode=config.ps.mode,
-            )
-            for index in range(self.count(), count)
-        ]
-
-    def ready(self) -> bool:
-        return True
-
-    def adopt(self, step: int) -> None:
-        for shard in self._starting:
-            bucket_move.start_at(shard, step)
-        self.runtime.shards.extend(self._starting)
-        self._starting = []
-
-    def move(self, moves: list[BucketMove], num_buckets: int) -> int:
-        shards = self.runtime.shards
-        return sum(
-            bucket_move.add_bucket_rows(
-                shards[m.destination],
-                bucket_move.bucket_rows(shards[m.source], m.buckets, num_buckets),
-                num_buckets=num_buckets,
-            )
-            for m in moves
-        )
-
-    def switch(self, bucket_map: np.ndarray, version: int) -> None:
-        self.runtime._bucket_map, self.runtime._routing_version = bucket_map, version
-        routed = self.runtime.shards[: int(bucket_map.max()) + 1]
-        _check_versions([self.runtime.trainer.set_routing(routed, bucket_map, version)], version)
-
-    def drop(self, moves: list[BucketMove], num_buckets: int) -> None:
-        for m in moves:
-            bucket_move.drop_buckets(self.runtime.shards[m.source], m.buckets, num_buckets)
-
-    def retire(self, count: int) -> None:
-        del self.runtime.shards[count:]
-
-    def abandon(self) -> None:
-        self._starting = []
-
-
-class RayShards:
-    """The Ray runtime's shard actors (`psrec.train.runtime.RayRuntime`)."""
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self._starting: list[Any] = []
-        self._answers: list[Any] = []
-
-    def count(self) -> int:
-        return len(self.runtime.shards)
-
-    def capacity_error(self, count: int) -> str | None:
-        import ray
-
-        ps = self.runtime.config.ps
-        added = max(0, count - self.count()) * ps.shard_resources.num_cpus
-        free = ray.available_resources().get("CPU", 0.0)
-        if added > free:
-            return (
-                f"{count} shards need {added:g} more CPUs (ps.shard_resources.num_cpus "
-                f"{ps.shard_resources.num_cpus:g} each) but the Ray cluster has {free:g} free: add nodes or "
-                "lower ps.shard_resources.num_cpus"
-            )
-        return None
-
-    def start(self, count: int) -> None:
-        self._starting = [self.runtime._start_shard(index) for index in range(self.count(), count)]
-        self._answers = [shard.pid.remote() for shard in self._starting]
-
-    def ready(self) -> bool:
-        import ray
-
-        done, _ = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
-        if len(done) < len(self._answers):
-            return False
-        ray.get(done)  # a shard that failed to start raises here
-        return True
-
-    def adopt(self, step: int) -> None:
-        _get([shard.start_at.remote(step) for shard in self._starting])
-        self.runtime.shards.extend(self._starting)
-        self._starting, self._answers = [], []
-
-    def move(self, moves: list[BucketMove], num_buckets: int) -> int:
-        shards = self.runtime.shards
-        # each export goes from its source to its destination in the object store, not through here
-        exported = [shards[m.source].export_buckets.remote(list(m.buckets), num_buckets) for m in moves]
-        added = [
-            shards[m.destination].import_buckets.remote(rows, num_buckets)
-            for m, rows in zip(moves, exported, strict=True)
-        ]
-        return int(sum(_get(added)))
-
-    def switch(self, bucket_map: np.ndarray, version: int) -> None:
-        self.runtime._bucket_map, self.runtime._routing_version = bucket_map, version
-        routed = self.runtime.shards[: int(bucket_map.max()) + 1]
-        trainers = self.runtime.trainers
-        _check_versions(_get([t.set_routing.remote(routed, bucket_map, version) for t in trainers]), version)
-
-    def drop(self, moves: list[BucketMove], num_buckets: int) -> None:
-        shards = self.runtime.shards
-        _get([shards[m.source].drop_buckets.remote(list(m.buckets), num_buckets) for m in moves])
-
-    def retire(self, count: int) -> None:
-        import ray
-
-        for shard in self.runtime.shards[count:]:
-            ray.kill(shard)
-        del self.runtime.shards[count:]
-
-    def abandon(self) -> None:
-        import ray
-
-        for shard in self._starting:
-            ray.kill(shard)
-        self._starting, self._answers = [], []
-
-
-def _get(refs: list[Any]) -> list[Any]:
-    from psrec.train.runtime import _get as get_all
-
-    return get_all(refs)
-
-
-def _check_versions(versions: list[int], version: int) -> None:
-    if any(v != version for v in versions):
-        raise RuntimeError(f"trainers route with bucket map versions {versions}, the driver with {version}")
-
-
-def shard_set(runtime: Any) -> ShardSet | None:
-    """The runtime's shards as a `ShardSet`, or None for a runtime that cannot reshard."""
-    from psrec.train.runtime import LocalRuntime, RayRuntime
-
-    if isinstance(runtime, LocalRuntime):
-        return LocalShards(runtime)
-    if isinstance(runtime, RayRuntime) and not runtime.collective:
-        return RayShards(runtime)
-    return None
-
-
 # -- the driver's side ---------------------------------------------------------------------------------
 class ScaleController:
     """Polls the run directory for scale requests and carries them out, one round per step boundary
@@ -459,6 +272,8 @@ class ScaleController:
                     self._finish("refused", f"the new shards did not start within {START_TIMEOUT_S:.0f} s")
                 return False
             self.shards.adopt(step)
+            assert self.current is not None
+            self.current["start_seconds"] = time.monotonic() - self._started_at  # request -> shards answer
             self.phase = Phase.MOVING
         elif self.phase is Phase.MOVING:
             self._refuse_waiting()

@@ -20,9 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from psrec.train import scaling
+from psrec.train import shard_set
 from psrec.train.loop import train
-from psrec.train.scaling import STATUS_FILE, RayShards, request_scale
+from psrec.train.scaling import STATUS_FILE, request_scale
+from psrec.train.shard_set import RayShards
 from tests.conftest import small_run_config
 
 STEPS = 40
@@ -136,7 +137,7 @@ def test_a_shard_killed_during_a_bucket_move_is_recovered_and_the_model_is_the_u
             os.kill(killed[-1], signal.SIGKILL)
         return move(self, moves, num_buckets)
 
-    monkeypatch.setattr(scaling.RayShards, "move", move_into_a_dead_shard)
+    monkeypatch.setattr(shard_set.RayShards, "move", move_into_a_dead_shard)
     requests = Requests(tmp_path)
     run = finished(ray_config(synthetic_sources, tmp_path), synthetic_sources, requests)
     assert killed
