@@ -5,6 +5,7 @@
     psrec bench --systems psrec-ray-1x1,d,psrec-ray-2x2    # the layouts of docs/scaling.md
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
     psrec bench --report out.json --profile                # print a saved report again
+    psrec bench --multi-hot 8:50:variable --rows 65536     # + 8 bag features, 0-100 ids each (mean 50)
 
 Systems: a pytorch + pytorch-bf16, b torchrec + torchrec-bf16, c psrec + psrec-bf16, d psrec-ray,
 e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wise Adagrad, as psrec
@@ -19,6 +20,12 @@ TensorFlow/Keras, run by the Python given with --tf-python; skipped without one)
 between equal precisions: "x pytorch" of a bf16 system divides by pytorch-bf16, "of ceil" by the
 dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one);
 only "x fp32*" crosses precisions (over the same system in fp32) and says so.
+
+Multi-hot (--multi-hot FEATURES:POOLING[:fixed|variable]): FEATURES more sparse features M1..Mk after
+Criteo's 26, each a bag of POOLING ids per sample ("fixed", the default) or of a uniform number in
+[0, 2 x POOLING] ("variable": empty bags included); ids are integers (no hashing) and every system
+sum-pools the same bags (EmbeddingBag, TorchRec's fused TBE, psrec's bag kernel, TensorFlow's
+segment sums). Bags hold many ids: lower --rows (every run loads its batches) to what the steps need.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from psrec.bench.harness import DEFAULT_SYSTEMS, SYSTEMS
+from psrec.bench.workload import Workload, parse_multi_hot
 
 
 def register(subparsers: Any) -> None:
@@ -49,6 +57,13 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
     parser.add_argument(
+        "--multi-hot",
+        metavar="FEATURES:POOLING[:fixed|variable]",
+        type=_multi_hot,
+        help="add FEATURES bag features of POOLING ids each (fixed) or 0..2*POOLING ids (variable), "
+        "e.g. 8:50:variable",
+    )
+    parser.add_argument(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
         help=f"comma-separated: letters a-e or names ({', '.join(SYSTEMS)})",
@@ -67,11 +82,19 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _multi_hot(spec: str) -> tuple[int, int, str]:
+    """--multi-hot's value, or argparse's error naming the option and the expected form."""
+    try:
+        return parse_multi_hot(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from psrec.bench.harness import run_bench
     from psrec.bench.tf_system import PYTHON_VARIABLE
-    from psrec.bench.workload import Workload
 
+    multi_hot = args.multi_hot or (0, 1, "fixed")
     if args.tf_python:
         os.environ[PYTHON_VARIABLE] = args.tf_python  # the isolated system processes inherit it
 
@@ -84,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup,
         steps=args.steps,
         threads=args.threads,
+        multi_hot_features=multi_hot[0],
+        pooling_factor=multi_hot[1],
+        bag_lengths=multi_hot[2],
     )
 
     def progress(round_index: int, result: dict[str, Any]) -> None:
@@ -123,8 +149,10 @@ def _number(value: float | None, spec: str) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The bench's table: every ratio between equal precisions, except "x fp32*", which is marked."""
     workload, machine = report["workload"], report["machine"]
+    sparse = Workload(**workload).describe()
     lines = [
-        f"DLRM dim {workload['dim']}, batch {workload['batch_size']}, {workload['threads']} threads, "
+        f"DLRM dim {workload['dim']}, {sparse} sparse features, batch {workload['batch_size']}, "
+        f"{workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
         f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
         "wall: median samples/s and within-round ratios, each to the system of that kind at the same "

@@ -34,6 +34,7 @@ from psrec.bench.workload import (
     BOTTOM_HIDDEN_SIZES,
     TOP_HIDDEN_SIZES,
     Workload,
+    bench_schema,
     peak_rss_bytes,
     process_cpu_seconds,
     process_peak_rss,
@@ -82,10 +83,32 @@ class PsrecOptions:
 
 
 def bench_config(
-    workload: Workload, run_dir: str, layout: PsrecLayout, options: PsrecOptions | None = None
+    workload: Workload,
+    run_dir: str,
+    layout: PsrecLayout,
+    options: PsrecOptions | None = None,
+    *,
+    sources: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The psrec run config (a plain dict for `parse_config`) of this workload (see `PsrecOptions`)."""
+    """The psrec run config (a plain dict for `parse_config`) of this workload (see `PsrecOptions`).
+
+    The Criteo-shaped workload reads `data.synthetic` (as `psrec train` generates it); a multi-hot
+    one reads `sources` (`prepare_sources`) with the schema of `bench_schema`.
+    """
     options = options or PsrecOptions()
+    if workload.multi_hot_features:
+        if sources is None:
+            raise ValueError(
+                "a multi-hot workload needs its data sources (psrec.bench.workload.prepare_sources)"
+            )
+        if options.prepared:
+            raise ValueError("the -prepared psrec systems run the Criteo-shaped workload only, not multi-hot")
+        data: dict[str, Any] = {
+            "schema": bench_schema(workload).model_dump(mode="json"),
+            **{split: source for split, source in sources.items() if split in ("train", "validation")},
+        }
+    else:
+        data = {"synthetic": {**synthetic_config(workload), "prepared": options.prepared}}
     chunk = max(1, workload.warmup_steps)
     timed_chunks = -(-workload.steps // chunk)
     steps = chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps
@@ -103,14 +126,16 @@ def bench_config(
     tables = (
         {
             name: {**table, "expected_rows": rows}
-            for name, rows in zip(CRITEO_SPARSE, workload.table_sizes(), strict=True)
+            for name, rows in zip(
+                [*CRITEO_SPARSE, *workload.multi_hot_names], workload.table_sizes(), strict=True
+            )
         }
         if options.reserve
         else {}
     )
     return {
         "run_dir": run_dir,
-        "data": {"synthetic": {**synthetic_config(workload), "prepared": options.prepared}},
+        "data": data,
         "model": {
             "name": "dlrm",
             "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
@@ -291,7 +316,6 @@ def run_psrec(
     from psrec.train.cluster import start_ray
     from psrec.train.loop import train
 
-    del sources  # train() prepares (finds the cached) data from the config itself
     layout = layout or PsrecLayout()
     options = options or PsrecOptions()
     runtime = layout.runtime
@@ -300,7 +324,7 @@ def run_psrec(
 
     with tempfile.TemporaryDirectory(prefix="psrec-bench-") as tmp:
         config = parse_config(
-            bench_config(workload, str(Path(tmp) / "run"), layout, options), source="<bench>"
+            bench_config(workload, str(Path(tmp) / "run"), layout, options, sources=sources), source="<bench>"
         )
         if runtime == "ray":
             import ray

@@ -68,8 +68,10 @@ def run_tensorflow(workload: Workload, sources: dict[str, Any], *, timeout: floa
     python, reason = tensorflow_python()
     if python is None:
         return {"skipped": reason}
-    train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=workload.total_steps)
-    validation = load_batches(sources["validation"], batch_size=16384)
+    train = load_batches(
+        sources["train"], workload, batch_size=workload.batch_size, max_batches=workload.total_steps
+    )
+    validation = load_batches(sources["validation"], workload, batch_size=16384)
     sizes = assign_rows([train, validation], workload.table_sizes())
     with tempfile.TemporaryDirectory(prefix="psrec-bench-tf-") as tmp:
         root = Path(tmp)

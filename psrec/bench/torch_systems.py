@@ -100,8 +100,12 @@ def _inputs(
     workload: Workload, sources: dict[str, Any]
 ) -> tuple[list[TensorBatch], list[TensorBatch], list[int]]:
     """Train and validation batches with ids as row numbers (`assign_rows`), and the table sizes."""
-    train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=workload.total_steps)
-    validation = load_batches(sources["validation"], batch_size=16384) if "validation" in sources else []
+    train = load_batches(
+        sources["train"], workload, batch_size=workload.batch_size, max_batches=workload.total_steps
+    )
+    validation = (
+        load_batches(sources["validation"], workload, batch_size=16384) if "validation" in sources else []
+    )
     return train, validation, assign_rows([train, validation], workload.table_sizes())
 
 
@@ -296,9 +300,14 @@ def run_ceiling(
     # before last, which no embedding system's freshly gathered rows enjoy (1-2% faster here).
     # Under bf16 the rows are bf16, as psrec's embedding path hands DLRM its rows. Backward computes
     # their gradient too: every embedding system needs it to train its rows.
-    train = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=workload.total_steps)
+    train = load_batches(
+        sources["train"], workload, batch_size=workload.batch_size, max_batches=workload.total_steps
+    )
     dtype = torch.bfloat16 if bf16 else torch.float32
-    pooled = [(torch.rand(b.batch_size, 26, workload.dim) * 0.1).to(dtype).requires_grad_() for b in train]
+    pooled = [
+        (torch.rand(b.batch_size, workload.num_sparse, workload.dim) * 0.1).to(dtype).requires_grad_()
+        for b in train
+    ]
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
     pairs = dict(zip((id(b) for b in train), pooled, strict=True))
 
