@@ -77,10 +77,15 @@ def run_policies(args: argparse.Namespace) -> None:
         f"Zipf({args.exponent}) over {args.universe:,} ids, batches of {args.batch:,} draws (deduped), "
         f"{args.steps} steps, {memory_rows:,} rows in memory ({args.memory_fraction:.0%})"
     )
-    print(f"{'traffic':10s} {'policy':10s} {'hit rate':>9s} {'best':>7s} {'promoted/step':>14s}")
+    print(
+        f"{'traffic':10s} {'policy':10s} {'hit rate':>9s} {'best':>7s} {'promoted/step':>14s} "
+        f"{'demote ms/step':>12s}"
+    )
     for traffic in ("stationary", "drift"):
         results = {}
-        for policy, half_life in [("lfu", 1.0), ("lru", 1.0)] + [("lfu_aging", h) for h in args.half_lives]:
+        variants = [("lfu", 1.0, 0)] + [("lfu", 1.0, k) for k in args.samples] + [("lru", 1.0, 0)]
+        variants += [("lfu_aging", h, 0) for h in args.half_lives]
+        for policy, half_life, sample in variants:
             ids = ZipfIds(args.universe, args.exponent, seed=1)
             best = ids.best_hit_rate(memory_rows, args.batch)
             with tempfile.TemporaryDirectory(dir=args.disk_dir) as directory:
@@ -91,9 +96,12 @@ def run_policies(args: argparse.Namespace) -> None:
                     disk_dir=directory,
                     policy=policy,
                     half_life_steps=half_life,
+                    victim_sample=sample,
                     optimizer=OPTIMIZER,
                 )
                 hits = misses = promotions = 0
+                choosing = 0.0
+                table._enforce_budget = _timed_seconds(table._enforce_budget)  # type: ignore[method-assign]
                 rng = np.random.default_rng(2)
                 for step in range(1, args.steps + 1):
                     if traffic == "drift" and step == args.steps // 2:
@@ -107,12 +115,28 @@ def run_policies(args: argparse.Namespace) -> None:
                         misses += table.misses - before[1]
                         promotions += table.promotions - before[2]
                 table.close()
+                choosing = table._enforce_budget.seconds  # type: ignore[attr-defined]
             label = policy if policy != "lfu_aging" else f"aging/{half_life:g}"
+            label += f"~{sample}" if sample else ""
             results[label] = hits / (hits + misses)
             print(
                 f"{traffic:10s} {label:10s} {results[label]:9.3f} {best:7.3f} "
-                f"{promotions / (args.steps - args.steps // 2):14,.0f}"
+                f"{promotions / (args.steps - args.steps // 2):14,.0f} {choosing * 1e3 / args.steps:12.2f}"
             )
+
+
+def _timed_seconds(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, adding its wall seconds to the wrapper's ``seconds``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            wrapper.seconds += time.perf_counter() - started  # type: ignore[attr-defined]
+
+    wrapper.seconds = 0.0  # type: ignore[attr-defined]
+    return wrapper
 
 
 # ------------------------------------------------------------------------------------------ scale
@@ -156,6 +180,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
             disk_dir=args.disk_dir,
             optimizer=OPTIMIZER,
             initial_rows=memory_rows,
+            **({} if args.victim_sample is None else {"victim_sample": args.victim_sample}),
         )
         cold = tiered._cold
         cold.read = _timed(timings, "disk read (promotion)", cold.read)  # type: ignore[method-assign]
@@ -240,6 +265,7 @@ def run_scale(args: argparse.Namespace) -> None:
             "exponent",
             "memory_gb",
             "disk_dir",
+            "victim_sample",
         ):
             value = getattr(args, name)
             if value is not None:
@@ -306,6 +332,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="scale: untimed rounds first")
     parser.add_argument("--system", choices=["memory", "tiered"])
+    parser.add_argument(
+        "--samples",
+        type=int,
+        nargs="*",
+        default=[4, 8, 16],
+        help="policies: sampled LFU, candidates per row demoted (besides the exact ranking)",
+    )
+    parser.add_argument(
+        "--victim-sample", type=int, default=None, help="scale: the tiered table's victim_sample"
+    )
     parser.add_argument(
         "--half-lives",
         type=float,

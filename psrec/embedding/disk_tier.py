@@ -4,9 +4,9 @@ A record holds everything a row has in memory, bytes as stored: the payload at i
 fp16, or int8 codes plus scale and offset), the optimizer state, ``[count, last step]`` and a 64-bit
 checksum of the rest. ``RecordLayout`` describes the fields; ``DiskTier`` keeps
 
-- the slab: ``capacity`` records in one file under the table's ``disk_dir``, mapped with ``mmap``,
-  read and written a batch at a time (one fancy-indexed gather or scatter of the batch's records,
-  never one read per id);
+- the slab: ``capacity`` records in one file under the table's ``disk_dir``, read and written a
+  batch at a time by numba kernels that issue ``pread``/``pwrite`` for the batch's records in file
+  order, one call per run of adjacent slots, without the GIL (never one Python-level read per id);
 - in memory, per cold row: its slot (a ``HashIndex`` id -> slot, free slots reused), its count and
   last step (so eviction, deltas and the demotion policy never read the disk), about 24 bytes a
   row (``sizes.DISK_INDEX_BYTES_PER_ROW``). A promoted row keeps its slot, marked resident (its
@@ -21,14 +21,17 @@ it, a killed shard leaves nothing behind, and a new one starts an empty file (it
 from the checkpoint). The file grows by ``posix_fallocate``, so a full disk is an ``OSError`` naming
 the directory when the tier grows, never a ``SIGBUS`` at a later write. Every read verifies each
 record's checksum; a mismatch (a torn or corrupted record) raises instead of returning the row.
-Once the process's file-backed resident memory has grown by ``MAPPED_BYTES_LIMIT`` (64 MiB) since
-the last drop, the tier drops its mapped pages from the process (``MADV_DONTNEED``: written pages stay in the page
-cache and reach the file), so the slab adds at most that much to the shard's resident memory.
+The file is never memory-mapped, so it adds nothing to the shard's resident memory: its pages live
+in the kernel's page cache, which the kernel gives back under memory pressure. (A mapped slab adds
+the page-cache folios behind every touched record to the process's resident set; on kernels with
+large page-cache folios one random 288-byte read maps hundreds of KiB, and dropping them again
+costs as much as the reads.) Records are packed and moved ``CHUNK_ROWS`` at a time, so a batch's
+temporaries stay a few MiB however many rows it moves.
 """
 
 from __future__ import annotations
 
-import mmap
+import ctypes
 import os
 import tempfile
 from dataclasses import dataclass
@@ -46,9 +49,53 @@ PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 CHECKSUM_SEED = 0xD15C_71E2
 SLAB_GROWTH = 1.5
 MIN_SLOTS = 1024
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-CHUNK_ROWS = 1024  # records moved between two checks of the mapped pages
-MAPPED_BYTES_LIMIT = 64 << 20  # pages the tier may leave mapped (in RSS) before it drops them
+CHUNK_ROWS = 65_536  # records packed, read or written at a time (bounds the temporaries)
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_PREAD = _LIBC.pread
+_PREAD.restype = ctypes.c_ssize_t
+_PREAD.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ssize_t]
+_PWRITE = _LIBC.pwrite
+_PWRITE.restype = ctypes.c_ssize_t
+_PWRITE.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_ssize_t]
+
+
+@numba.njit(nogil=True)
+def _pread_kernel(descriptor, slots, record_bytes, out):  # pragma: no cover - numba
+    """Read record ``slots[i]`` into ``out[i]`` for ascending `slots`, one ``pread`` per run of
+    adjacent slots; returns the number of records read (less on a failed or short read)."""
+    count = slots.shape[0]
+    base = out.ctypes.data
+    start = 0
+    while start < count:
+        end = start + 1
+        while end < count and slots[end] == slots[end - 1] + 1:
+            end += 1
+        length = (end - start) * record_bytes
+        done = _PREAD(descriptor, base + start * record_bytes, length, slots[start] * record_bytes)
+        if done != length:
+            return start
+        start = end
+    return count
+
+
+@numba.njit(nogil=True)
+def _pwrite_kernel(descriptor, slots, record_bytes, records):  # pragma: no cover - numba
+    """Write ``records[i]`` to record ``slots[i]`` for ascending `slots`, one ``pwrite`` per run of
+    adjacent slots; returns the number of records written (less on a failed or short write)."""
+    count = slots.shape[0]
+    base = records.ctypes.data
+    start = 0
+    while start < count:
+        end = start + 1
+        while end < count and slots[end] == slots[end - 1] + 1:
+            end += 1
+        length = (end - start) * record_bytes
+        done = _PWRITE(descriptor, base + start * record_bytes, length, slots[start] * record_bytes)
+        if done != length:
+            return start
+        start = end
+    return count
 
 
 @numba.njit(cache=True, nogil=True)
@@ -128,12 +175,6 @@ class RecordLayout:
         return self.checksums(words) != stored
 
 
-def _shared_resident_bytes() -> int:
-    """File-backed and shared resident bytes of this process (the third field of /proc/self/statm)."""
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[2]) * PAGE_BYTES
-
-
 class DiskTierError(OSError):
     """The disk tier's directory cannot hold its file (missing, not writable, full)."""
 
@@ -178,9 +219,6 @@ class DiskTier:
         self._resident = np.zeros(0, dtype=np.bool_)  # per slot: the row's current copy is in memory
         self._resident_count = 0
         self._capacity = 0
-        self._map: mmap.mmap | None = None
-        self._slab = np.zeros((0, layout.record_bytes), dtype=np.uint8)
-        self._mapped_baseline: int | None = None  # file-backed resident bytes after the last drop
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -211,34 +249,46 @@ class DiskTier:
                 f"{size / 2**30:.2f} GiB ({error.strerror}): free space there, choose another "
                 "storage.disk_dir or raise the memory budget"
             ) from None
-        self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)  # drop views of the old map
-        if self._map is not None:
-            self._map.close()
-        self._map = mmap.mmap(self._file.fileno(), size, flags=mmap.MAP_SHARED)
-        self._slab = np.frombuffer(self._map, dtype=np.uint8).reshape(capacity, self.layout.record_bytes)
         self._capacity = capacity
 
-    def release_pages(self) -> None:
-        """Drop the mapped pages from this process's resident memory (they stay in the page cache)."""
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)
+    def _io_error(self, action: str, slot: int, error: OSError) -> DiskTierError:
+        return DiskTierError(
+            f"table {self.table!r}: cannot {action} record {slot} of the disk tier in "
+            f"{str(self.directory)!r} ({error.strerror or error}): check the disk, then restore the shard "
+            "from its last checkpoint"
+        )
 
-    def _touched(self) -> None:
-        """Drop the mapped pages once the process's file-backed resident pages (`/proc/self/statm`,
-        "shared") grew by ``MAPPED_BYTES_LIMIT`` since the last drop: the kernel maps more than the
-        touched records (fault-around), so the count is measured, not estimated."""
-        mapped = _shared_resident_bytes()
-        if self._mapped_baseline is None or mapped < self._mapped_baseline:
-            self._mapped_baseline = mapped
-        elif mapped - self._mapped_baseline >= MAPPED_BYTES_LIMIT:
-            self.release_pages()
-            self._mapped_baseline = _shared_resident_bytes()
+    def _pread(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Records of ascending `slots` into `out` (a kernel call; the rest in Python after a failure,
+        so an error carries its errno)."""
+        record_bytes = self.layout.record_bytes
+        descriptor = self._file.fileno()
+        done = int(_pread_kernel(descriptor, slots, record_bytes, out))
+        for position in range(done, slots.shape[0]):  # only after an interrupted or failed call
+            offset = int(slots[position]) * record_bytes
+            try:
+                data = os.pread(descriptor, record_bytes, offset)
+            except OSError as error:
+                raise self._io_error("read", int(slots[position]), error) from None
+            if len(data) != record_bytes:
+                raise self._io_error("read", int(slots[position]), OSError("short read past the end"))
+            out[position] = np.frombuffer(data, dtype=np.uint8)
+
+    def _pwrite(self, slots: np.ndarray, records: np.ndarray) -> None:
+        record_bytes = self.layout.record_bytes
+        descriptor = self._file.fileno()
+        done = int(_pwrite_kernel(descriptor, slots, record_bytes, records))
+        for position in range(done, slots.shape[0]):
+            view = memoryview(records[position])
+            offset = int(slots[position]) * record_bytes
+            try:
+                while view.nbytes:  # a short write continues where it stopped
+                    written = os.pwrite(descriptor, view, offset)
+                    view, offset = view[written:], offset + written
+            except OSError as error:
+                raise self._io_error("write", int(slots[position]), error) from None
 
     def close(self) -> None:
-        self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)
-        if self._map is not None:
-            self._map.close()
-            self._map = None
         self._file.close()
 
     # ------------------------------------------------------------------------------------ rows
@@ -262,7 +312,6 @@ class DiskTier:
         ids = values["ids"]
         if ids.shape[0] == 0:
             return
-        records = self.layout.pack(values)
         slots, inserted = self._index.insert(ids)
         self._grow(self._index.row_capacity)
         self._metadata = grow_rows(self._metadata, self._index.row_capacity)
@@ -274,13 +323,15 @@ class DiskTier:
             self._resident[rewritten] = False
             self._resident_count -= int(rewritten.shape[0])
         order = np.argsort(slots, kind="stable")  # ascending file offsets
-        for start in range(0, order.shape[0], CHUNK_ROWS):  # mapped pages checked between chunks
+        for start in range(0, order.shape[0], CHUNK_ROWS):
             chunk = order[start : start + CHUNK_ROWS]
-            self._slab[slots[chunk]] = records[chunk]
-            self._touched()
+            records = self.layout.pack(
+                {name: array[chunk] for name, array in values.items() if name != "ids"}
+            )
+            self._pwrite(slots[chunk].astype(np.int64), records)
+            self.bytes_written += int(records.nbytes)
         self._metadata[slots, 0] = values["counts"]
         self._metadata[slots, 1] = values["last_step"]
-        self.bytes_written += int(records.nbytes)
 
     def read(self, slots: np.ndarray) -> dict[str, np.ndarray]:
         """The rows in `slots` (all >= 0), checksums verified, plus their "ids"."""
@@ -288,8 +339,9 @@ class DiskTier:
         records = np.empty((slots.shape[0], self.layout.record_bytes), dtype=np.uint8)
         for start in range(0, order.shape[0], CHUNK_ROWS):
             chunk = order[start : start + CHUNK_ROWS]
-            records[chunk] = self._slab[slots[chunk]]
-            self._touched()
+            buffer = np.empty((chunk.shape[0], self.layout.record_bytes), dtype=np.uint8)
+            self._pread(slots[chunk].astype(np.int64), buffer)
+            records[chunk] = buffer
         self.bytes_read += int(records.nbytes)
         bad = self.layout.corrupt(records)
         if bad.any():
@@ -331,8 +383,4 @@ class DiskTier:
         self._resident = np.zeros(0, dtype=np.bool_)
         self._resident_count = 0
         self._capacity = 0
-        self._slab = np.zeros((0, self.layout.record_bytes), dtype=np.uint8)
-        if self._map is not None:
-            self._map.close()
-            self._map = None
         self._file.truncate(0)

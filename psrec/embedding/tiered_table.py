@@ -7,9 +7,12 @@ looks its ids up in memory; the ids that miss are looked up on disk together and
 promoted (read in one batch, inserted into memory); only ids in neither tier go to admission and
 get initial rows. Room is made first: when the rows that may arrive would take the memory tier past
 ``memory_rows``, the coldest rows not in the batch (``tier_policy``, LFU by default) are demoted in
-one batch, down to ``memory_rows * (1 - DEMOTION_SLACK)`` less the arrivals, so the scan for victims
-runs once per several steps. A batch with more distinct ids than ``memory_rows`` is held whole until
-its push: the memory tier holds at most ``max(memory_rows, one batch's rows)``.
+one batch, down to ``memory_rows * (1 - DEMOTION_SLACK)`` less the arrivals. The victims are the
+coldest of a uniform sample of about ``victim_sample`` memory rows per row demoted
+(``tier_policy.sample_rows``; ``victim_sample=0`` ranks every row in memory), so choosing them costs
+in proportion to the rows demoted, not to the memory tier. A batch with more distinct ids than
+``memory_rows`` is held whole until its push: the memory tier holds at most ``max(memory_rows, one
+batch's rows)``.
 
     table = TieredTable("items", 64, optimizer=SparseOptimizerSpec("adagrad", lr=0.05),
                         memory_rows=1_000_000, disk_dir="/mnt/ssd/psrec")
@@ -38,7 +41,7 @@ from psrec.embedding.hash_index import ids_digest
 from psrec.embedding.specs import TableSpec
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, spec_options
-from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, coldest
+from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, VICTIM_SAMPLE, coldest, sample_rows
 
 DEMOTION_SLACK = 0.05
 OPTIMIZER_PREFIX = "optimizer_state/"
@@ -112,6 +115,7 @@ class TieredTable(EmbeddingTable):
         disk_dir: str | os.PathLike[str],
         policy: str = "lfu",
         half_life_steps: float = AGING_HALF_LIFE_STEPS,
+        victim_sample: int = VICTIM_SAMPLE,
         **table_arguments: Any,
     ) -> None:
         populate = table_arguments.pop("populate", True)
@@ -132,6 +136,14 @@ class TieredTable(EmbeddingTable):
         if not half_life_steps > 0:
             raise ValueError(self._message(f"half_life_steps must be > 0, got {half_life_steps!r}"))
         self.half_life_steps = float(half_life_steps)
+        if (
+            isinstance(victim_sample, bool)
+            or not isinstance(victim_sample, int | np.integer)
+            or victim_sample < 0
+        ):
+            raise ValueError(self._message(f"victim_sample must be an int >= 0, got {victim_sample!r}"))
+        self.victim_sample = int(victim_sample)
+        self._victim_rng = np.random.default_rng(self.seed)
         layout = RecordLayout(self.dim, precision=self.precision, optimizer=self.optimizer.name)
         self._cold = DiskTier(disk_dir, layout, table=name)
         if table_arguments.get("initial_rows") and populate:
@@ -188,15 +200,24 @@ class TieredTable(EmbeddingTable):
         if self._index.num_rows + incoming <= self.memory_rows:
             return
         target = max(int(self.memory_rows * (1 - DEMOTION_SLACK)) - incoming, 0)
-        rows = self._index.live_rows(sort=False)
+        excluded = np.zeros(self._index.row_capacity, dtype=np.bool_)
         if protected is not None and protected.shape[0]:
-            mask = np.zeros(self._index.row_capacity, dtype=np.bool_)
-            mask[protected] = True
-            rows = rows[~mask[rows]]
-        excess = min(rows.shape[0], self._index.num_rows - target)
+            excluded[protected] = True
+        excess = self._index.num_rows - target
+        rows = None
+        if self.victim_sample and excess * self.victim_sample * 2 < self._index.num_rows:
+            index = self._index
+            rows = sample_rows(
+                index.tags, index.slots, excess * self.victim_sample, self._victim_rng, excluded=excluded
+            )
+            if rows.shape[0] < excess:  # most rows protected: rank them all
+                rows = None
+        if rows is None:
+            rows = self._index.live_rows(sort=False)
+            rows = rows[~excluded[rows]]
         victims = coldest(
             self.policy,
-            excess,
+            min(rows.shape[0], excess),
             ids=self._index.keys[rows],
             counts=self._counts[rows],
             last_step=self._last_step[rows],

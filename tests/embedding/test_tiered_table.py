@@ -265,3 +265,48 @@ def test_memory_budget_holds_both_indexes(tmp_path):
     assert table.memory_bytes()["total"] - table.memory_bytes()["admission"] <= budget
     with pytest.raises(ValueError, match="cannot hold the disk tier's index of 100000000 rows"):
         memory_rows_for_budget(budget, dim=DIM, precision="fp32", optimizer="sgd", expected_rows=10**8)
+
+
+def test_sampled_rows_are_live_unexcluded_and_uniform():
+    """sample_rows against the index's own live rows: every row drawn is live, not excluded, drawn
+    once; over many draws each live row comes up about equally often."""
+    from psrec.embedding.hash_index import HashIndex
+    from psrec.embedding.tier_policy import sample_rows
+
+    index = HashIndex()
+    index.insert(np.arange(0, 4000, dtype=np.int64) * 13)
+    index.remove(np.arange(0, 4000, 2, dtype=np.int64) * 13)  # half the rows freed
+    live = index.live_rows(sort=True)
+    excluded = np.zeros(index.row_capacity, dtype=np.bool_)
+    excluded[live[:100]] = True
+    rng = np.random.default_rng(0)
+    hits = np.zeros(index.row_capacity, dtype=np.int64)
+    for _ in range(400):
+        rows = sample_rows(index.tags, index.slots, 200, rng, excluded=excluded)
+        assert np.all(np.diff(rows) > 0) and np.isin(rows, live).all() and not excluded[rows].any()
+        hits[rows] += 1
+    drawn = hits[live[100:]]
+    assert abs(drawn.mean() - 400 * 200 / live.shape[0]) < 0.25 * drawn.mean()
+    assert drawn.min() > 0.4 * drawn.mean() and drawn.max() < 1.8 * drawn.mean()
+
+
+def test_sampled_victims_keep_the_exact_policys_hit_rate(tmp_path):
+    """The hit rate with sampled victims (8 candidates a row) against ranking every memory row, on
+    the same Zipf batches; the rows stay those of the in-memory table either way."""
+    rates = {}
+    for sample in (0, 8):
+        directory = tmp_path / str(sample)
+        directory.mkdir()
+        oracle, _ = pair(directory, memory_rows=200)
+        table = TieredTable(
+            "t", DIM, memory_rows=200, disk_dir=str(directory), victim_sample=sample,
+            optimizer=OPTIMIZERS["adagrad"], seed=3,
+        )  # fmt: skip
+        for step, ids, grads in zipf_batches(120, batch=400, universe=4000):
+            for each in (oracle, table):
+                each.pull(ids)
+                each.push(ids, grads, step=step)
+        assert_same_state(oracle.export_state(), table.export_state())
+        rates[sample] = table.hits / (table.hits + table.misses)
+        assert table.demotions > 1000
+    assert abs(rates[8] - rates[0]) < 0.02, rates
