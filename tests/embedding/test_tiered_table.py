@@ -116,7 +116,7 @@ def test_full_and_delta_checkpoints_restore(tmp_path):
     oracle, tiered = pair(tmp_path / "a", memory_rows=16)
     batches = list(zipf_batches(30))
     marker = None
-    full = None
+    full: TableState | None = None
     for step, ids, grads in batches:
         for table in (oracle, tiered):
             table.pull(ids)
@@ -140,6 +140,7 @@ def test_full_and_delta_checkpoints_restore(tmp_path):
     (tmp_path / "b").mkdir()
     _, restored = pair(tmp_path / "b", memory_rows=16)
     plain = EmbeddingTable("t", DIM, optimizer=OPTIMIZERS["adagrad"], stochastic_rounding=False, seed=3)
+    assert full is not None
     for table in (restored, plain):
         table.import_state(full)
         table.apply_delta(delta)
