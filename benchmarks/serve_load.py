@@ -38,16 +38,18 @@ def free_port() -> int:
 
 
 def run_round(
-    port: int, bodies: list[bytes], *, clients: int, requests: int, seconds: float
+    port: int | list[int], bodies: list[bytes], *, clients: int, requests: int, seconds: float
 ) -> dict[str, float]:
-    """One bounded round: ``clients`` threads, each up to ``requests`` requests or ``seconds``."""
+    """One bounded round: ``clients`` threads, each up to ``requests`` requests or ``seconds``;
+    client i talks to ``port[i % len(port)]`` when given several (the replicas' own ports)."""
+    ports = [port] if isinstance(port, int) else port
     latencies: list[float] = []
     errors = [0]
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
 
     def client(index: int) -> None:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=30)
         mine = []
         try:
             for count in range(requests):
@@ -115,13 +117,19 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--batch-wait-ms", type=float, default=1.0, help="the server's --batch-wait-ms")
+    parser.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="replicas also answer HTTP themselves; both paths measured, interleaved",
+    )
+    parser.add_argument("--profile", action="store_true", help="also time each serving step in process")
     parser.add_argument("--save-rows", help="also write the request rows here (JSON, for --rows)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
 
     import ray
 
-    from psrec.serve.deployment import ServeOptions, start_serving, stop_serving
+    from psrec.serve.deployment import ServeOptions, replica_urls, start_serving, stop_serving
     from psrec.serve.export import export_run
 
     root = Path(tempfile.mkdtemp(prefix="psrec-serve-load-"))
@@ -144,38 +152,73 @@ def main() -> None:
         rows = json.loads(Path(args.rows).read_text())
     size = args.rows_per_request
     bodies = [json.dumps({"rows": rows[i : i + size]}).encode() for i in range(0, len(rows) - size + 1, size)]
-    port = free_port()
     if args.save_rows:
         Path(args.save_rows).write_text(json.dumps(rows))
-    options = ServeOptions(port=port, replicas=args.replicas, batch_wait_seconds=args.batch_wait_ms / 1000)
+    if args.profile:
+        report["in_process_ms"] = in_process_breakdown(str(model_dir), bodies)
+    port = free_port()
+    options = ServeOptions(
+        port=port,
+        replicas=args.replicas,
+        batch_wait_seconds=args.batch_wait_ms / 1000,
+        direct_ingress=args.direct_ingress,
+        direct_port=free_port_range(),
+    )
     report["batch_wait_ms"] = args.batch_wait_ms
+    report["load_average_before"] = os.getloadavg()
     start_serving(str(model_dir), options)
+    paths: dict[str, int | list[int]] = {"proxy": port}
+    if args.direct_ingress:  # the same app answers on both paths: measured interleaved
+        paths["direct"] = [int(url.rstrip("/").rsplit(":", 1)[1]) for url in replica_urls()]
     try:
-        run_round(port, bodies[:4], clients=1, requests=20, seconds=10)  # warm up
-        results: dict[int, list[dict[str, float]]] = {clients: [] for clients in CLIENTS}
-        started_cpu = time.process_time()
-        for _ in range(args.rounds):  # client counts interleaved within every round
+        for target in paths.values():
+            run_round(target, bodies[:4], clients=1, requests=20, seconds=10)  # warm up
+        results: dict[tuple[str, int], list[dict[str, Any]]] = {
+            (path, clients): [] for path in paths for clients in CLIENTS
+        }
+        for _ in range(args.rounds):  # paths and client counts interleaved within every round
             for clients in CLIENTS:
-                results[clients].append(
-                    run_round(port, bodies, clients=clients, requests=args.requests, seconds=args.seconds)
-                )
-        report["client_process_cpu_seconds"] = time.process_time() - started_cpu
+                for path, target in paths.items():
+                    before, client_before = process_cpu_seconds(), time.process_time()
+                    result: dict[str, Any] = run_round(
+                        target, bodies, clients=clients, requests=args.requests, seconds=args.seconds
+                    )
+                    after = process_cpu_seconds()
+                    count = max(1, int(result["requests"]))
+                    result["cpu_ms_per_request"] = {
+                        name: 1000 * (after.get(name, 0.0) - before.get(name, 0.0)) / count
+                        for name in after
+                        if after.get(name, 0.0) - before.get(name, 0.0) > 0
+                    }
+                    result["cpu_ms_per_request"]["load generator"] = (
+                        1000 * (time.process_time() - client_before) / count
+                    )
+                    result["load_average"] = os.getloadavg()[0]
+                    results[(path, clients)].append(result)
     finally:
         stop_serving()
         ray.shutdown()
     report["levels"] = {}
-    for clients, rounds in results.items():
-        level = {
+    for (path, clients), rounds in results.items():
+        level: dict[str, Any] = {
             key: statistics.median(r[key] for r in rounds)
-            for key in ("requests_per_second", "p50_ms", "p99_ms")
+            for key in ("requests_per_second", "p50_ms", "p99_ms", "load_average")
         }
         level["rows_per_second"] = level["requests_per_second"] * size
         level["errors"] = sum(r["errors"] for r in rounds)
-        report["levels"][clients] = level
+        names = sorted({name for r in rounds for name in r["cpu_ms_per_request"]})
+        level["cpu_ms_per_request"] = {
+            name: statistics.median(r["cpu_ms_per_request"].get(name, 0.0) for r in rounds) for name in names
+        }
+        report["levels"][f"{path} {clients}"] = level
+        cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in level["cpu_ms_per_request"].items() if ms >= 0.1)
         print(
-            f"{clients:>3} clients: {level['requests_per_second']:8.1f} req/s {level['rows_per_second']:9.0f} rows/s "
-            f"p50 {level['p50_ms']:6.1f} ms  p99 {level['p99_ms']:6.1f} ms  errors {level['errors']}"
+            f"{path:>6} {clients:>3} clients: {level['requests_per_second']:7.1f} req/s "
+            f"{level['rows_per_second']:7.0f} rows/s p50 {level['p50_ms']:6.1f} ms p99 {level['p99_ms']:6.1f} ms "
+            f"errors {level['errors']} load {level['load_average']:.1f} | CPU ms/request: {cpu}"
         )
+    if "in_process_ms" in report:
+        print("in process (ms, median):", json.dumps(report["in_process_ms"]))
     if "serving_table_bytes" in report:
         train_bytes = report["training_table_bytes"]
         for precision, nbytes in report["serving_table_bytes"].items():
@@ -184,6 +227,97 @@ def main() -> None:
             )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+def free_port_range(width: int = 16) -> int:
+    """The first of ``width`` consecutive free loopback ports (the replicas' own, with direct ingress)."""
+    for first in range(31000, 60000, width):
+        try:
+            probes = []
+            for offset in range(width):
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no range of free ports on 127.0.0.1")
+
+
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's descendants (the embedded Ray cluster), by name:
+    Serve's proxy, the replicas, the controller, Ray's own processes (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    mine, grown = {os.getpid()}, True
+    while grown:
+        grown = False
+        for pid, parent in parents.items():
+            if parent in mine and pid not in mine:
+                mine.add(pid)
+                grown = True
+    totals: dict[str, float] = {}
+    for pid in mine - {os.getpid()}:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        name = command.removeprefix("ray::").split(":")[0] if command.startswith("ray::") else "ray (other)"
+        totals[name] = totals.get(name, 0.0) + cpu.get(pid, 0.0)
+    return totals
+
+
+def in_process_breakdown(model_dir: str, bodies: list[bytes], repeats: int = 50) -> dict[str, float]:
+    """Median milliseconds of each serving step without HTTP or Ray: decode, validate + featurize,
+    score one request, score 8 requests batched, and the forward pass alone of those 8."""
+    import torch
+
+    from psrec.data.batch import concat_batches
+    from psrec.serve.model_dir import MODEL_FILE
+    from psrec.serve.requests import decode_body, parse_request
+    from psrec.serve.scoring import ServingModel
+
+    torch.set_num_threads(1)
+    model = ServingModel.load(model_dir)
+    parsed = [parse_request(decode_body(body), model.request_spec) for body in bodies[: repeats + 8]]
+    version = model.version
+
+    def timed(step: Any) -> float:
+        times = []
+        for index in range(repeats):
+            started = time.perf_counter()
+            step(index)
+            times.append(time.perf_counter() - started)
+        return 1000 * statistics.median(times)
+
+    inputs = [
+        model.model_input(version, concat_batches([p.batch for p in parsed[i : i + 8]]))
+        for i in range(repeats)
+    ]
+    answers = [model.score_requests([p])[0] for p in parsed[:repeats]]
+    with torch.no_grad():
+        forward = timed(lambda i: version.programs[MODEL_FILE](*inputs[i]))
+    return {
+        "decode_json": timed(lambda i: decode_body(bodies[i])),
+        "validate_and_featurize": timed(lambda i: parse_request(decode_body(bodies[i]), model.request_spec)),
+        "score_1_request": timed(lambda i: model.score_requests([parsed[i]])),
+        "score_8_requests_batched": timed(lambda i: model.score_requests(parsed[i : i + 8])),
+        "forward_8_requests": forward,
+        "encode_json_1_response": timed(lambda i: json.dumps(answers[i])),
+    }
 
 
 def load_frappe_rows(data_dir: str, count: int) -> list[dict[str, Any]]:

@@ -41,6 +41,14 @@ def register(subparsers: Any) -> None:
     serve.add_argument("--poll-seconds", type=float, default=0.5, help="how often --follow looks (0.5)")
     serve.add_argument("--max-batch-rows", type=int, default=4096, help="rows batched into one forward")
     serve.add_argument("--batch-wait-ms", type=float, default=1.0, help="longest wait to fill a batch (1)")
+    serve.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="every replica also answers HTTP itself (no proxy hop; its URLs are logged at start)",
+    )
+    serve.add_argument(
+        "--direct-port", type=int, default=30000, help="the first replica's own port (--direct-ingress)"
+    )
     serve.add_argument("--shard-rows", type=int, metavar="N", help="tables above N rows go to lookup shards")
     serve.add_argument("--lookup-shards", type=int, default=2, help="lookup shard actors (with --shard-rows)")
     serve.set_defaults(func=run_serve)
@@ -68,7 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from psrec.serve.deployment import ServeOptions, serve_forever
     from psrec.serve.model_dir import ExportError
 
-    for name in ("port", "replicas", "threads", "max_batch_rows", "lookup_shards"):
+    for name in ("port", "replicas", "threads", "max_batch_rows", "lookup_shards", "direct_port"):
         if getattr(args, name) < 1:
             raise SystemExit(
                 f"psrec serve: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -85,6 +93,8 @@ def run_serve(args: argparse.Namespace) -> int:
         poll_seconds=args.poll_seconds,
         shard_rows=args.shard_rows,
         lookup_shards=args.lookup_shards,
+        direct_ingress=args.direct_ingress,
+        direct_port=args.direct_port,
     )
     try:
         serve_forever(args.model_dir, options, address=args.address)

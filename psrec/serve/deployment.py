@@ -36,6 +36,7 @@ from psrec.serve.requests import DEFAULT_MAX_ROWS, ParsedRequest, RequestError, 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
+DEFAULT_DIRECT_PORT = 30000
 APPLICATION = "psrec"
 
 
@@ -56,6 +57,8 @@ class ServeOptions:
     access_log: bool = False
     shard_rows: int | None = None  # tables with more rows go to lookup shards (`psrec.serve.sharded`)
     lookup_shards: int = 2
+    direct_ingress: bool = False  # every replica also answers HTTP itself, on its own port
+    direct_port: int = DEFAULT_DIRECT_PORT  # the first replica's port (the next ones count up)
 
 
 def _rows_of(requests: list[ParsedRequest]) -> int:
@@ -93,20 +96,27 @@ class ModelServer:
     async def __call__(self, request: Any) -> Any:
         from starlette.responses import JSONResponse
 
+        try:
+            body, status = await self._answer(request)
+        except Exception as error:  # a defect: answered as one, never as Serve's bare 500
+            logger.exception("scoring failed")
+            body, status = {"error": f"internal error while scoring: {error!r}", "field": None}, 500
+        # the header tells psrec's proxy middleware that this answer is the model's own
+        return JSONResponse(body, status_code=status, headers={"x-psrec-version": self.model.version.label})
+
+    async def _answer(self, request: Any) -> tuple[dict[str, Any], int]:
         # the path below the app's route prefix (Serve passes the prefix as the ASGI root_path)
         path = request.url.path.removeprefix(request.scope.get("root_path", "")).rstrip("/")
         if request.method == "GET" and path in ("/version", ""):
-            return JSONResponse(self.describe())
+            return self.describe(), 200
         if request.method != "POST" or path not in ("", "/score"):
-            return JSONResponse(
-                {"error": f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"},
-                status_code=404 if request.method in ("GET", "POST") else 405,
-            )
+            message = f"{request.method} {request.url.path}: POST / scores rows, GET /version describes"
+            return {"error": message}, 404 if request.method in ("GET", "POST") else 405
         try:
             parsed = parse_request(decode_body(await request.body()), self.model.request_spec)
         except RequestError as error:  # answered here: a bad request never joins a batch
-            return JSONResponse(error.body(), status_code=error.status)
-        return JSONResponse(await self.score(parsed))
+            return error.body(), error.status
+        return await self.score(parsed), 200
 
     def describe(self) -> dict[str, Any]:
         version = self.model.version
@@ -136,16 +146,42 @@ def application(model_dir: str, options: ServeOptions, shards: list[Any] | None 
     )(ModelServer).bind(model_dir, options, shards)
 
 
+def serving_environment(options: ServeOptions) -> dict[str, str]:
+    """Ray Serve settings the embedded cluster starts with: psrec's proxy middleware
+    (`psrec.serve.proxy_retry`), and with ``direct_ingress`` the replicas' own HTTP servers."""
+    from psrec.serve.proxy_retry import CALLBACK, CALLBACK_VARIABLE
+
+    environment = {CALLBACK_VARIABLE: CALLBACK}
+    if options.direct_ingress:
+        environment.update(
+            {
+                "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+                "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(options.direct_port),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(options.direct_port + 1000),
+                "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(options.direct_port + 1001),
+                "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(options.direct_port + 2000),
+            }
+        )
+    return environment
+
+
 def start_serving(model_dir: str, options: ServeOptions, *, address: str | None = None) -> str:
-    """Start Ray (embedded loopback cluster, or join ``address``), then the app; returns its URL."""
-    from psrec.serve.model_dir import read_manifest
+    """Start Ray (embedded loopback cluster, or join ``address``), then the app; returns its URL
+    (Serve's proxy; `replica_urls` lists the replicas' own with ``direct_ingress``)."""
+    import ray
+
+    from psrec.serve.model_dir import ExportError, read_manifest
     from psrec.storage import location
     from psrec.train.cluster import start_ray
 
     manifest = read_manifest(location(model_dir))  # a clear error here, before any replica starts
     large = _large_tables(model_dir, manifest, options)
     cpus = None if address else max(2, int(options.replicas * options.replica_cpus + 0.999))
-    start_ray(address, num_cpus=cpus)
+    if address is None and not ray.is_initialized():
+        # the raylet and every worker it starts (Serve's controller, proxy, replicas) inherit these
+        _start_ray_with(serving_environment(options), cpus)
+    else:
+        start_ray(address, num_cpus=cpus)
     shards = _start_lookup_shards(model_dir, large, options) if large else None
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(
@@ -156,8 +192,72 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
         logging_config={"enable_access_log": options.access_log},
     )
     url = f"http://{options.host}:{options.port}/"
+    _check_proxy_middleware(url)
+    if options.direct_ingress:
+        direct = replica_urls()
+        if direct == [url]:
+            raise ExportError(
+                "--direct-ingress: the replicas do not answer HTTP themselves; on a cluster joined with "
+                "--address, start its nodes with RAY_SERVE_ENABLE_DIRECT_INGRESS=1"
+            )
+        logger.info("replicas answer directly at %s", ", ".join(direct))
     logger.info("serving %s at %s with %d replica(s)", model_dir, url, options.replicas)
     return url
+
+
+def _start_ray_with(environment: dict[str, str], cpus: int | None) -> None:
+    """The embedded cluster, its processes started with ``environment`` (this process's is restored)."""
+    from psrec.train.cluster import start_ray
+
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        start_ray(None, num_cpus=cpus)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _check_proxy_middleware(url: str) -> None:
+    """Warn when Serve's proxy runs without `psrec.serve.proxy_retry` (a dead replica's requests then
+    get Serve's 500 instead of a retry or a 503)."""
+    import urllib.request
+
+    from psrec.serve.proxy_retry import CALLBACK, CALLBACK_VARIABLE, PROXY_HEADER
+
+    with urllib.request.urlopen(url + "version", timeout=60) as response:
+        marked = response.headers.get(PROXY_HEADER.decode()) is not None
+    if not marked:
+        logger.warning(
+            "Serve's proxy runs without psrec's retry middleware: requests of a replica that dies get "
+            "Serve's 500. Start the cluster's nodes with %s=%s (an embedded cluster gets it when "
+            "psrec starts Ray itself).",
+            CALLBACK_VARIABLE,
+            CALLBACK,
+        )
+
+
+def replica_urls() -> list[str]:
+    """Where the app answers: with direct ingress every running replica's own URL, else the proxy's."""
+    import ray
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("replica_urls: Ray Serve is not running (call start_serving first)")
+    controller = client._controller
+    groups = ray.get(controller.get_target_groups.remote(APPLICATION), timeout=60)
+    return sorted(
+        {
+            f"http://{target.ip}:{target.port}/"
+            for group in groups
+            if str(getattr(group.protocol, "value", group.protocol)).upper() == "HTTP"
+            for target in group.targets
+        }
+    )
 
 
 _LOOKUP_SHARDS: list[Any] = []  # the lookup shard actors this process started

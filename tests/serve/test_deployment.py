@@ -1,7 +1,9 @@
 """`psrec serve` on Ray Serve (embedded loopback cluster, 2 model replicas): scores through HTTP
 equal the export's, bad input is a 4xx naming the field, GET /version names the version, --follow
-reflects a newly committed checkpoint within 5 s, and a replica SIGKILLed under load fails at most
-the requests it had in flight, hangs none, and the other replica answers the rest."""
+reflects a newly committed checkpoint within 5 s, every replica's own URL (direct ingress) answers
+as the proxy does, on 127.0.0.1, and a replica SIGKILLed under load fails no request with a 500:
+its requests in flight are sent again to the other replica (or, at worst, answered 503), none
+hangs."""
 
 from __future__ import annotations
 
@@ -32,6 +34,21 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _free_port_range(width: int = 16) -> int:
+    for first in range(31000, 60000, width):
+        probes = [socket.socket() for _ in range(width)]
+        try:
+            for offset, probe in enumerate(probes):
+                probe.bind(("127.0.0.1", first + offset))
+            return first
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+    raise RuntimeError("no range of free ports on 127.0.0.1")
+
+
 def _post(url: str, body: bytes, timeout: float = 30.0) -> tuple[int, Any]:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
@@ -58,7 +75,13 @@ def server(deepfm_run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory)
         shutil.move(str(ref.path), held / ref.path.name)
     export_run(run_dir, root / "model", checkpoint=refs[0].name)
     options = ServeOptions(
-        port=_free_port(), replicas=2, replica_cpus=0.5, follow=str(run_dir), poll_seconds=0.2
+        port=_free_port(),
+        replicas=2,
+        replica_cpus=0.5,
+        follow=str(run_dir),
+        poll_seconds=0.2,
+        direct_ingress=True,
+        direct_port=_free_port_range(),
     )
     url = start_serving(str(root / "model"), options)
     try:
@@ -134,7 +157,32 @@ def test_http_scores_follow_checkpoints_and_bad_input_is_a_4xx(
     assert code == 200 and answer["version"].endswith(later.checkpoint_id[:8])
 
 
-def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(
+def test_every_replica_answers_directly_on_loopback_as_the_proxy_does(
+    server: dict[str, Any], deepfm_run: dict[str, Any]
+) -> None:
+    from psrec.serve.deployment import replica_urls
+
+    rows = _raw_rows(deepfm_run["sources"]["validation"]["paths"])[:16]
+    body = json.dumps({"rows": rows}).encode()
+    direct = replica_urls()
+    assert len(direct) == 2 and all(url.startswith("http://127.0.0.1:") for url in direct), direct
+    assert server["url"] not in direct
+    pids = set()
+    for url in direct:
+        for _ in range(50):  # the two replicas may be a version apart for one poll
+            status, via_proxy = _post(server["url"], body)
+            code, answer = _post(url, body)
+            if via_proxy["version"] == answer["version"]:
+                break
+            time.sleep(0.1)
+        assert status == code == 200 and answer["version"] == via_proxy["version"]
+        np.testing.assert_allclose(answer["scores"], via_proxy["scores"], rtol=0, atol=1e-6)
+        with urllib.request.urlopen(url + "version", timeout=30) as response:
+            pids.add(json.loads(response.read())["replica_pid"])
+    assert len(pids) == 2  # each URL is one replica
+
+
+def test_a_replica_killed_under_load_fails_no_request_with_a_500(
     server: dict[str, Any], deepfm_run: dict[str, Any]
 ) -> None:
     import http.client
@@ -152,7 +200,7 @@ def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(
         if len(pids) == 2:
             break
     assert len(pids) == 2, pids
-    answers: list[tuple[float, int | str]] = []
+    answers: list[tuple[float, float, int | str, dict[str, str], bytes]] = []
     stop = threading.Event()
 
     def client() -> None:
@@ -164,10 +212,10 @@ def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(
             try:
                 connection.request("POST", "/", body=body, headers={"Content-Type": "application/json"})
                 response = connection.getresponse()
-                response.read()
-                answers.append((sent, response.status))
+                data = response.read()
+                answers.append((sent, time.monotonic(), response.status, dict(response.headers), data))
             except (OSError, http.client.HTTPException) as error:  # a timeout would land here
-                answers.append((sent, type(error).__name__))
+                answers.append((sent, time.monotonic(), type(error).__name__, {}, b""))
                 connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         connection.close()
 
@@ -182,9 +230,17 @@ def test_a_replica_killed_under_load_fails_only_its_requests_in_flight(
     for thread in threads:
         thread.join(timeout=60)
     assert not any(thread.is_alive() for thread in threads)
-    failed = [(sent, status) for sent, status in answers if status != 200]
-    # only requests in flight at the kill (at most one per client) fail, with Ray Serve's 500
-    assert len(failed) <= len(threads), failed
-    assert all(status == 500 and sent <= killed for sent, status in failed), failed
-    after = [status for sent, status in answers if sent > killed]
+    in_flight = [a for a in answers if a[0] <= killed <= a[1]]
+    assert in_flight, "no request was in flight at the kill: the test did not test the failover"
+    statuses = {status for _, _, status, _, _ in answers}
+    odd = [(status, headers, data) for _, _, status, headers, data in answers if status not in (200, 503)]
+    assert statuses <= {200, 503}, odd  # never Serve's bare 500, never a broken connection
+    for _, _, status, headers, data in answers:
+        if status == 503:  # the failover's answer: a JSON message and when to come back
+            assert headers.get("retry-after") == "1" and "retry" in json.loads(data)["error"]
+    after = [status for sent, _, status, _, _ in answers if sent > killed + 1.0]
     assert len(after) > 20 and all(status == 200 for status in after)
+    print(
+        f"killed under load: {len(in_flight)} requests in flight, "
+        f"{sum(status == 503 for _, _, status, _, _ in answers)} answered 503, the rest 200"
+    )

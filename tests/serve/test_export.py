@@ -23,7 +23,7 @@ from psrec.train.metrics import auc
 from psrec.train.runtime import LocalRuntime
 from tests.conftest import small_run_config
 
-MODELS = [
+MODELS: list[dict[str, Any]] = [
     {"name": "lr"},
     {"name": "fm"},
     {"name": "wide_deep", "hidden_sizes": [8]},
