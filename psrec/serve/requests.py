@@ -4,6 +4,7 @@ A request body is a JSON object::
 
     {"rows": [{"user": 12, "item": 7, "daytime": 3, ...}, ...]}          CTR models (and BST)
     {"rows": [{"seq": [12, 40, 7], "candidates": [5, 9, 31]}], "k": 2}   SASRec (candidates optional)
+    {"rows": [{"user": 17, "history": [3, 9]}], "k": 10, "catalogue": true}   BST over every item
 
 Every row names every feature the model reads, with the value as it appears in the training data:
 a dense feature a number (null = missing, filled as training fills it); a hashed sparse feature
@@ -79,6 +80,9 @@ class ParsedRequest:
     # BST with candidates: the batch holds each row once per candidate (the target feature set to
     # it), row after row; `groups` is the number of candidates of each row
     groups: list[int] | None = None
+    # BST ranking every item of the target feature's table (`"catalogue": true`): the batch holds
+    # each row once, its target feature left empty
+    catalogue: bool = False
 
 
 def serving_schema(schema: Schema, kind: str, *, sequence_name: str | None = None) -> Schema:
@@ -105,7 +109,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 
 def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
     """Validate ``body`` (see the module docstring) and featurize its rows."""
-    allowed = {"rows", "k"}
+    allowed = {"rows", "k"} | ({"catalogue"} if spec.kind == "bst" else set())
     for key in body:
         if key not in allowed:
             raise RequestError(key, f"unknown request field; a request has {sorted(allowed)}")
@@ -125,6 +129,11 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
         raise RequestError("k", f"applies to ranking models only; this {spec.kind} model returns scores")
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise RequestError("k", f"must be an integer in [1, {MAX_K}], got {k!r}")
+    catalogue = body.get("catalogue", False)
+    if not isinstance(catalogue, bool):
+        raise RequestError("catalogue", f"must be true or false, got {catalogue!r}")
+    if catalogue:
+        return _catalogue_request(rows, spec, k)
     known = set(spec.feature_names) | ({CANDIDATES} if spec.ranks else set())
     for index, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -180,6 +189,41 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
         )
     candidates, values = _candidates(rows, spec)
     return ParsedRequest(batch=batch, candidates=candidates, candidate_values=values, k=k)
+
+
+def _catalogue_request(rows: list[Any], spec: RequestSpec, k: int) -> ParsedRequest:
+    """BST rows to rank against every item of the target table: the target feature is not given."""
+    target = _target(spec)
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RequestError(
+                f"rows[{index}]", f"must be an object of feature values, got {type(row).__name__}"
+            )
+        for key in row:
+            if key in (target, CANDIDATES):
+                raise RequestError(
+                    f"rows[{index}].{key}", f"not with catalogue: every {target} of the catalogue is ranked"
+                )
+            if key not in spec.feature_names:
+                raise RequestError(
+                    f"rows[{index}].{key}", f"unknown feature; this model reads {sorted(spec.feature_names)}"
+                )
+        for name in spec.feature_names:
+            if name != target and name not in row:
+                raise RequestError(f"rows[{index}].{name}", "missing (null stands for a missing value)")
+    assert spec.candidate_feature is not None
+    placeholder = None if spec.candidate_feature.hashed else 0  # replaced by each catalogue item
+    rows = [{**row, target: placeholder} for row in rows]
+    columns = _columns(rows, spec.schema)
+    table = pa.table(
+        {
+            **columns,
+            **{name: pa.array(np.zeros(len(rows), np.float32)) for name in spec.schema.label_names},
+            ROW_ID: pa.array(np.arange(len(rows), dtype=np.int64)),
+        }
+    )
+    batch = table_to_batch(spec.schema, prepare_table(spec.schema, table))
+    return ParsedRequest(batch=batch, candidates=None, candidate_values=None, k=k, catalogue=True)
 
 
 def _target(spec: RequestSpec) -> str:

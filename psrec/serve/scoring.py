@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from psrec.data.batch import Batch, concat_batches
+from psrec.data.batch import Batch, PaddedSequence, SparseBatch, concat_batches
 from psrec.data.schema import Schema
 from psrec.serve.model_dir import (
     CATALOGUE_FILE,
@@ -37,6 +37,7 @@ from psrec.serve.requests import ParsedRequest, RequestSpec, finite_or_none, ser
 from psrec.serve.tables import ServingTable, TableSource
 from psrec.storage import StoragePath
 
+CATALOGUE_CHUNK = 4096  # BST catalogue ranking: expanded rows per forward pass
 LINEAR_SUFFIX = "__linear"  # psrec.ps.client.LINEAR_SUFFIX: the dim-1 companion of a table
 
 
@@ -227,13 +228,49 @@ class ServingModel:
                 out.append({**base, "scores": [finite_or_none(float(p)) for p in own]})
         return out
 
+    def _catalogue_ranked(self, request: ParsedRequest, version: ModelVersion) -> dict[str, Any]:
+        """BST: the top-k items of the target feature's table for each row, every item scored as the
+        row with its target set to it (in chunks of at most ``CATALOGUE_CHUNK`` rows)."""
+        target = self.request_spec.candidate_feature
+        assert target is not None
+        catalogue = version.tables[self.feature_tables[target.name]].ids
+        items, scores = [], []
+        for row in range(request.batch.batch_size):
+            probabilities = np.concatenate(
+                [
+                    self.score_batch(
+                        _row_with_targets(
+                            request.batch, row, target.name, catalogue[start : start + CATALOGUE_CHUNK]
+                        ),
+                        version=version,
+                    )
+                    for start in range(0, catalogue.size, CATALOGUE_CHUNK)
+                ]
+            )
+            top = _top_k(probabilities, request.k)
+            items.append([_plain(catalogue[i]) for i in top])
+            scores.append([finite_or_none(float(probabilities[i])) for i in top])
+        return {"items": items, "scores": scores}
+
     def score_requests(self, requests: list[ParsedRequest]) -> list[dict[str, Any]]:
         """Responses of validated requests, scored together in one batch by one version."""
-        version = self._version  # one version for the whole batch
+        return self.score_requests_with(requests, self._version)  # one version for the whole batch
+
+    def score_requests_with(
+        self, requests: list[ParsedRequest], version: ModelVersion
+    ) -> list[dict[str, Any]]:
+        """`score_requests` by the given ``version``."""
         batch = concat_batches([request.batch for request in requests])
         sizes = [request.batch.batch_size for request in requests]
         starts = np.concatenate([[0], np.cumsum(sizes)])
         base = {"version": version.label}
+        if self.kind == "bst" and any(request.catalogue for request in requests):
+            return [
+                {**base, **self._catalogue_ranked(request, version)}
+                if request.catalogue
+                else self.score_requests_with([request], version)[0]
+                for request in requests
+            ]
         if self.kind == "bst" and any(request.groups for request in requests):
             return self._ranked_by_target(requests, self.score_batch(batch, version=version), starts, base)
         if self.kind != "sasrec":
@@ -280,6 +317,33 @@ class ServingModel:
                 scores.append([finite_or_none(float(logits[i])) for i in top])
             out.append({**base, "items": items, "scores": scores})
         return out
+
+
+def _row_with_targets(batch: Batch, row: int, target: str, ids: np.ndarray) -> Batch:
+    """``ids.size`` copies of ``batch``'s row ``row``, the single-valued ``target`` feature set to ``ids``."""
+    count = ids.size
+    offsets = batch.sparse.offsets
+    features = {}
+    for k, key in enumerate(batch.sparse.keys):
+        if key == target:
+            features[key] = (ids, np.ones(count, np.int32))
+            continue
+        slot = k * batch.batch_size + row
+        own = batch.sparse.ids[offsets[slot] : offsets[slot + 1]]
+        features[key] = (np.tile(own, count), np.full(count, own.size, np.int32))
+    sequences = {
+        name: PaddedSequence(
+            np.repeat(padded.ids[row : row + 1], count, axis=0),
+            np.repeat(padded.mask[row : row + 1], count, axis=0),
+        )
+        for name, padded in batch.sequences.items()
+    }
+    return Batch(
+        labels=np.zeros(count, np.float32),
+        dense=np.repeat(batch.dense[row : row + 1], count, axis=0),
+        sparse=SparseBatch.from_features(features),
+        sequences=sequences,
+    )
 
 
 def _ranked_rows(
