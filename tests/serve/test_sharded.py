@@ -74,3 +74,29 @@ def test_psrec_serve_with_lookup_shard_actors(deepfm_run: dict[str, Any], export
     expected = plain.score_requests([parse_request({"rows": rows}, plain.request_spec)])[0]
     np.testing.assert_array_equal(answer["scores"], expected["scores"])
     assert described["table_bytes"] < plain.table_bytes()  # the large tables are not in the replica
+
+
+def test_follow_with_sharded_tables_is_refused_before_anything_starts(
+    deepfm_run: dict[str, Any], exported: Any
+) -> None:
+    """--follow applies deltas inside the replicas, so it cannot follow tables held by lookup shards:
+    `start_serving` says so before Ray or a replica starts."""
+    import ray
+
+    from psrec.serve.deployment import ServeOptions, start_serving
+    from psrec.serve.model_dir import ExportError
+
+    model_dir = exported(deepfm_run["run_dir"])
+    options = ServeOptions(shard_rows=20, follow=str(deepfm_run["run_dir"]))
+    started = ray.is_initialized()
+    with pytest.raises(ExportError, match="--follow .* cannot be used with --shard-rows"):
+        start_serving(str(model_dir), options)
+    assert ray.is_initialized() == started
+    start_serving_without_large = ServeOptions(shard_rows=10**9, follow=str(deepfm_run["run_dir"]))
+    from psrec.serve.deployment import _large_tables
+    from psrec.serve.model_dir import read_manifest
+    from psrec.storage import location
+
+    assert (
+        _large_tables(str(model_dir), read_manifest(location(model_dir)), start_serving_without_large) == []
+    )
