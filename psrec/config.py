@@ -443,6 +443,11 @@ class RunConfig(_Strict):
         data.pop("run_dir")
         data.pop("checkpoint")
         data.pop("fault_tolerance")
+        # embedding.*.storage may change: a checkpoint holds every row whatever tier it lived in
+        embedding = data["embedding"]
+        for table in [embedding["default"], *embedding["tables"].values()]:
+            if table is not None:
+                table.pop("storage", None)
         # ps.num_shards may change: a checkpoint restores into any shard count (psrec.ps.reshard)
         data["ps"] = {
             k: v

@@ -103,6 +103,20 @@ def _concat(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+PER_STEP = ("promotions", "demotions", "disk_bytes_read", "disk_bytes_written")
+
+
+def tier_rates(stats: dict[str, int]) -> dict[str, float]:
+    """The rates of `tier_stats` counts (one table's, or summed over shards with ``steps`` the most
+    any shard pushed): ``hit_rate`` (pulled ids found in memory) and each of ``PER_STEP`` per
+    training step, as ``<name>_per_step``."""
+    pulled = stats["pull_hits"] + stats["pull_misses"]
+    rates = {"hit_rate": stats["pull_hits"] / pulled if pulled else 0.0}
+    steps = max(stats["steps"], 1)
+    rates.update({f"{name}_per_step": stats[name] / steps for name in PER_STEP})
+    return rates
+
+
 class TieredTable(EmbeddingTable):
     """An ``EmbeddingTable`` with at most ``memory_rows`` rows in memory, the rest under `disk_dir`."""
 
@@ -152,6 +166,8 @@ class TieredTable(EmbeddingTable):
         self.misses = 0  # pulled ids not in memory (promoted, new, or not admitted)
         self.promotions = 0
         self.demotions = 0
+        self.steps = 0  # training steps pushed (distinct step numbers in a row)
+        self._pushed_step: int | None = None
 
     # ---------------------------------------------------------------------------------- tiers
     @property
@@ -300,6 +316,9 @@ class TieredTable(EmbeddingTable):
                 self._enforce_budget(protected=rows[rows >= 0], incoming=arriving.shape[0])
                 self._promote(arriving)
         super().push(ids, grads, step=step)
+        if step != self._pushed_step:
+            self.steps += 1
+            self._pushed_step = step
         self._enforce_budget()
 
     def _is_last_pull(self, ids: np.ndarray) -> bool:
@@ -421,6 +440,7 @@ class TieredTable(EmbeddingTable):
             "demotions": self.demotions,
             "disk_bytes_read": self._cold.bytes_read,
             "disk_bytes_written": self._cold.bytes_written,
+            "steps": self.steps,
         }
 
     def close(self) -> None:

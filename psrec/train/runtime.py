@@ -26,6 +26,7 @@ import numpy as np
 from psrec import checkpoint
 from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
 from psrec.config import ConfigError, RunConfig
+from psrec.embedding.tiered_table import tier_rates
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
@@ -54,7 +55,7 @@ class Runtime(Protocol):
 
     def restore_snapshot(self, tag: str) -> None: ...
 
-    def table_stats(self) -> dict[str, dict[str, int]]: ...
+    def table_stats(self) -> dict[str, dict[str, float]]: ...
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
 
@@ -154,7 +155,7 @@ class RuntimeBase:
         self._all_trainers("restore_snapshot", tag)
         self._on_partitions("restore_snapshot", tag)
 
-    def table_stats(self) -> dict[str, dict[str, int]]:
+    def table_stats(self) -> dict[str, dict[str, float]]:
         return _sum_stats(self._on_partitions("stats"))
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -204,14 +205,20 @@ class RuntimeBase:
         return {"step": data.step, **data.trainers[0], "extra": data.extra}
 
 
-def _sum_stats(per_shard: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+def _sum_stats(per_shard: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, float]]:
+    """Counts summed over shards (``steps``: the most any shard pushed), and a disk tier's rates."""
     total: dict[str, dict[str, int]] = {}
     for stats in per_shard:
         for table, values in stats.items():
             into = total.setdefault(table, {})
             for key, value in values.items():
-                into[key] = into.get(key, 0) + int(value)
-    return total
+                into[key] = (
+                    max(into.get(key, 0), int(value)) if key == "steps" else into.get(key, 0) + int(value)
+                )
+    return {
+        table: {**values, **(tier_rates(values) if "pull_hits" in values else {})}
+        for table, values in total.items()
+    }
 
 
 def _merge_rows(
