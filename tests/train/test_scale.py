@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from psrec.checkpoint import list_checkpoints, read_manifest, resolve_restore_chain
+from psrec.cli import main
 from psrec.train.loop import train
 from psrec.train.runtime import LocalRuntime
-from psrec.train.scaling import DRIVER_FILE, REQUEST_FILE, STATUS_FILE, ScaleError, request_scale
+from psrec.train.scaling import DRIVER_FILE, REQUEST_FILE, STATUS_FILE, ScaleError, request_scale, wait_for
 from tests.conftest import small_run_config
 
 SETTINGS = {
@@ -35,8 +36,10 @@ SETTINGS = {
 }
 
 
-def run(sources: dict[str, Any], run_dir: Path, progress: Any = None) -> tuple[dict[str, Any], Any]:
-    config = small_run_config(sources, run_dir, **SETTINGS)
+def run(
+    sources: dict[str, Any], run_dir: Path, progress: Any = None, *, mode: str = "sync"
+) -> tuple[dict[str, Any], Any]:
+    config = small_run_config(sources, run_dir, **SETTINGS, **{"ps.mode": mode})
     runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
     try:
         summary = train(config, runtime=runtime, progress=progress, resume=False)
@@ -52,9 +55,11 @@ def assert_same_tables(got: dict[str, Any], expected: dict[str, Any]) -> None:
         np.testing.assert_array_equal(got[table][1], values, err_msg=table)
 
 
-def restored_rows(sources: dict[str, Any], run_dir: Path, step: int, shards: int) -> dict[str, Any]:
+def restored_rows(
+    sources: dict[str, Any], run_dir: Path, step: int, shards: int, mode: str
+) -> dict[str, Any]:
     """The tables of `run_dir`'s checkpoint chain of `step`, restored into `shards` shards."""
-    config = small_run_config(sources, run_dir, **SETTINGS, **{"ps.num_shards": shards})
+    config = small_run_config(sources, run_dir, **SETTINGS, **{"ps.num_shards": shards, "ps.mode": mode})
     chain = resolve_restore_chain(str(run_dir), config=config.fingerprint_dict(), at_step=step)
     runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
     try:
@@ -64,10 +69,12 @@ def restored_rows(sources: dict[str, Any], run_dir: Path, step: int, shards: int
         runtime.shutdown()
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_resharding_2_to_3_to_1_while_training_ends_with_the_undisturbed_model(
-    synthetic_sources: dict[str, Any], tmp_path: Path
+    synthetic_sources: dict[str, Any], tmp_path: Path, mode: str
 ) -> None:
-    oracle_summary, (oracle_dense, oracle_rows, _) = run(synthetic_sources, tmp_path / "oracle")
+    """In process, one trainer: async mode is deterministic too (one caller, calls in order)."""
+    oracle_summary, (oracle_dense, oracle_rows, _) = run(synthetic_sources, tmp_path / "oracle", mode=mode)
     run_dir = tmp_path / "scaled"
     seen: dict[str, Any] = {}
 
@@ -87,7 +94,7 @@ def test_resharding_2_to_3_to_1_while_training_ends_with_the_undisturbed_model(
         elif step == 45:
             (run_dir / REQUEST_FILE).write_text(json.dumps({"id": "zero", "shards": 0}))
 
-    summary, (dense, rows, shard_count) = run(synthetic_sources, run_dir, progress)
+    summary, (dense, rows, shard_count) = run(synthetic_sources, run_dir, progress, mode=mode)
     # the final model is the undisturbed one
     assert summary["steps"] == oracle_summary["steps"] == 60
     assert shard_count == 1
@@ -128,13 +135,13 @@ def test_resharding_2_to_3_to_1_while_training_ends_with_the_undisturbed_model(
     for step in (10, 20, 40, 50):
         for shards in (2, 3):
             assert_same_tables(
-                restored_rows(synthetic_sources, run_dir, step, shards),
-                restored_rows(synthetic_sources, tmp_path / "oracle", step, 2),
+                restored_rows(synthetic_sources, run_dir, step, shards, mode),
+                restored_rows(synthetic_sources, tmp_path / "oracle", step, 2, mode),
             )
 
 
 def test_scale_requests_that_cannot_be_made_say_why_and_write_nothing(
-    synthetic_sources: dict[str, Any], tmp_path: Path
+    synthetic_sources: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(ScaleError, match="not a psrec run directory"):
         request_scale(str(tmp_path / "nothing"), 3)
@@ -172,3 +179,11 @@ def test_scale_requests_that_cannot_be_made_say_why_and_write_nothing(
     with pytest.raises(ScaleError, match=f"request {first['id']} .* waits for the driver"):
         request_scale(str(run_dir), 4)
     assert json.loads((run_dir / REQUEST_FILE).read_text())["shards"] == 3
+    # the command prints the reason and exits 2; --wait returns the driver's entry of the request
+    assert main(["scale", str(run_dir), "--shards", "5"]) == 2
+    assert f"request {first['id']}" in capsys.readouterr().err
+    done = {"id": first["id"], "state": "done", "shards": 3}
+    (run_dir / STATUS_FILE).write_text(json.dumps({"current": None, "history": [done]}))
+    assert wait_for(str(run_dir), first["id"], timeout=5) == done
+    with pytest.raises(ScaleError, match="not finished after"):
+        wait_for(str(run_dir), "other", timeout=0.3)
