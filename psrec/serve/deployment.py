@@ -12,9 +12,11 @@ Every replica (`ModelServer`) loads the export itself, validates each request (a
 its own 4xx and never joins a batch, so it cannot fail its neighbours), and batches concurrent
 requests (``@serve.batch``, counted in rows: up to ``max_batch_rows`` rows or
 ``batch_wait_seconds`` of waiting, whichever comes first) into one lookup and one forward pass.
-With ``follow`` each replica runs a `psrec.serve.follow.DeltaFollower`. A replica that dies takes
-its requests in flight with it (Ray Serve's proxy answers them 500); Serve routes the next ones to
-the other replicas and starts a replacement.
+With ``follow`` each replica runs a `psrec.serve.follow.DeltaFollower`. A replica that dies: Serve's
+proxy gives its requests in flight no answer, and psrec's middleware in the proxy
+(`psrec.serve.proxy_retry`) sends them again to a live replica, or answers 503; Serve starts a
+replacement. With ``direct_ingress`` every replica also answers HTTP on its own loopback port
+(`replica_urls`), without the proxy hop (and without its retry).
 
 HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
 (`psrec.train.cluster.start_ray`).
