@@ -159,13 +159,24 @@ def _insert_kernel(
 
 @numba.njit(cache=True, nogil=True)
 def _remove_kernel(tags, slots, keys, ids, removed_rows, free_rows, free_count):  # pragma: no cover - numba
-    """Remove each id that is present (backward-shift deletion); writes its freed row or -1."""
+    """Remove each id that is present (backward-shift deletion); writes its freed row or -1.
+
+    Blocks of ids are hashed and their home tag/slot prefetched before the (sequential) removals,
+    which run in the order of `ids` as without the prefetches."""
     capacity = slots.shape[0]
-    for i in range(ids.shape[0]):
+    count = ids.shape[0]
+    homes = np.empty(LOOKUP_BLOCK, dtype=np.int64)
+    for i in range(count):
+        if i % LOOKUP_BLOCK == 0:
+            for j in range(i, min(i + LOOKUP_BLOCK, count)):
+                home = fastrange32(hash_key(ids[j], INDEX_SEED), capacity)
+                homes[j - i] = home
+                prefetch(tags, home)
+                prefetch(slots, home)
         key = ids[i]
         hash_value = hash_key(key, INDEX_SEED)
         fingerprint = _fingerprint(hash_value)
-        position = fastrange32(hash_value, capacity)
+        position = homes[i % LOOKUP_BLOCK]
         removed_rows[i] = -1
         while True:
             tag = tags[position]

@@ -74,10 +74,14 @@ def sample_rows(
     """About `count` distinct rows of a hash index drawn uniformly (ascending): slot positions drawn
     with replacement, the occupied ones (``tags != 0``) mapped to their rows, duplicates and rows
     where the mask `excluded` (indexed by row) is set dropped. Every live row is equally likely,
-    since each occupies one slot."""
+    since each occupies one slot. Duplicates are dropped through a mask over the rows (one pass
+    over ``excluded.shape[0]`` bytes), not by sorting the draw."""
     capacity = slots.shape[0]
-    occupied = max(int(np.count_nonzero(tags[: min(capacity, 4096)])) / min(capacity, 4096), 1e-3)
+    probe = min(capacity, 4096)
+    occupied = max(int(np.count_nonzero(tags[:probe])) / probe, 1e-3)
     positions = rng.integers(0, capacity, size=int(count / occupied) + 1)
     positions = positions[tags[positions] != 0]
-    rows = np.unique(slots[positions])
-    return rows[~excluded[rows]]
+    picked = np.zeros(excluded.shape[0], dtype=np.bool_)
+    picked[slots[positions]] = True
+    picked &= ~excluded
+    return np.flatnonzero(picked)
