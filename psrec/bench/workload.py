@@ -19,7 +19,8 @@ k more sparse features M1..Mk, each a bag of ids per sample, as user histories a
 exactly p ids per bag ("fixed") or a uniform number in [0, 2p] ("variable": mean p, empty bags
 included). Ids are integers already (a catalogue's item numbers: `hashed: false`), Zipf-distributed
 like the Criteo ids over `MULTI_HOT_CARDINALITY` x `cardinality_scale` ids per feature, and half of
-them carry the row's label in their lowest bit, so that the bags are worth learning. Every system
+them carry a noisy copy of the row's label (the label in 65% of the rows, one copy per row for all
+features) in their lowest bit, so that the bags are worth learning without giving the label away. Every system
 pools a bag by summing its rows.
 - `peak_rss_bytes`, `process_cpu_seconds`, `set_threads`: measurement plumbing. Besides wall-clock
   samples/s every system reports samples per CPU-second (all its threads and processes, spinning
@@ -49,6 +50,7 @@ BOTTOM_HIDDEN_SIZES = (512, 256)  # + the last bottom layer, of size dim
 TOP_HIDDEN_SIZES = (512, 256)  # + the output layer, of size 1
 MULTI_HOT_CARDINALITY = 2_000_000  # ids per multi-hot feature at cardinality_scale 1
 BAG_LENGTHS = ("fixed", "variable")
+LABEL_AGREEMENT = 0.65  # rows whose bags carry their own label (the others carry its opposite)
 ZIPF_EXPONENT = 1.15  # of the multi-hot ids, as of the Criteo-shaped generator's
 
 
@@ -201,7 +203,8 @@ def prepare_sources(workload: Workload) -> dict[str, dict[str, Any]]:
 def multi_hot_column(
     labels: np.ndarray, rng: np.random.Generator, *, pooling: int, lengths: str, cardinality: int
 ) -> pa.Array:
-    """One multi-hot column (list<int64>) for rows with these labels (see the module docstring)."""
+    """One multi-hot column (list<int64>) whose ids carry `labels` (the rows' noisy labels: see the
+    module docstring) in their lowest bit."""
     rows = labels.shape[0]
     counts = (
         np.full(rows, pooling, np.int64)
@@ -224,10 +227,11 @@ def write_multi_hot(files: list[Path], target: Path, workload: Workload, *, seed
     rng = np.random.default_rng(seed)
     for path in files:
         table = pq.read_table(path)
-        labels = table.column(CRITEO_LABEL).to_numpy()
+        labels = table.column(CRITEO_LABEL).to_numpy().astype(np.int64)
+        noisy = np.where(rng.random(labels.shape[0]) < LABEL_AGREEMENT, labels, 1 - labels)
         for name in workload.multi_hot_names:
             column = multi_hot_column(
-                labels,
+                noisy,
                 rng,
                 pooling=workload.pooling_factor,
                 lengths=workload.bag_lengths,

@@ -12,12 +12,14 @@ and bag (f, b) is ``index[offsets[f, b]:offsets[f, b + 1]]``. One kernel pools e
 batch into the (B, F, D) model input, in parallel over samples (each sample's output rows belong to
 one thread), instead of one ``embedding_bag`` per feature and a ``stack``.
 
-The backward is the transposed sum, ``grad_rows[index[i]] += grad[b, f] (/ len)``. Samples share
-rows, so threads split the embedding dimension instead (16-column blocks, a cache line of float32
-each): each thread adds its columns of every bag, no two threads write the same cache line, and
-the sums run in the same order every time (deterministic, unlike a sort-free parallel scatter).
-PyTorch's own ``embedding_bag`` backward sorts the indices first. The incoming gradient is read in
-whatever layout it has when it is a run of whole rows (DLRM's slice of the interaction's input).
+The backward is the transposed sum, ``grad_rows[r] = sum over ids i of row r of grad[b, f] (/ len)``.
+A scatter (``grad_rows[index[i]] += grad[b, f]`` for every id) reads and writes a random row per
+id, and the rows of bag features outgrow the cache (350k unique rows of dim 64 are 90 MB); so the
+ids are sorted by row once (`transpose_bags`: a counting sort, in the planner thread ahead of the
+step, `LookupPlan.bag_transposed`), and the backward then gathers each row's gradients and writes
+the row once, in parallel over rows: no two threads write one row, and every sum runs in the same
+order (deterministic). The incoming gradient is read in whatever layout it has when it is a run of
+whole rows (DLRM's slice of the interaction's input).
 
 bfloat16: the output of a bf16-autocast model's embedding path is the float32 sum rounded once to
 bfloat16 (round to nearest even, as PyTorch does); bfloat16 gradients are widened and summed in
@@ -38,6 +40,7 @@ import torch
 from psrec.train.pooling import _enclosing_rows, _numpy_bits
 
 MODES = ("sum", "mean")
+_ROW_CHUNK = 1024  # rows per task of the bf16 backward
 # numba's workqueue threading layer (the one left where neither OpenMP nor TBB loads) aborts the
 # process when two Python threads launch parallel kernels at once; launches are serialised.
 _LAUNCH = threading.Lock()
@@ -109,75 +112,102 @@ def _pool_bfloat16(
                     target[d] = np.uint16((value + rounding) >> np.uint32(16))
 
 
+@numba.njit(cache=True, nogil=True)
+def _transpose_kernel(
+    index: np.ndarray, offsets: np.ndarray, num_rows: int, row_starts: np.ndarray, owners: np.ndarray
+) -> None:
+    """Counting sort of the ids by row: row r's ids belong to bags owners[row_starts[r]:row_starts[r + 1]]
+    (bag (f, b) as b * F + f), in the order of `index` (stable)."""
+    features, batch = offsets.shape[0], offsets.shape[1] - 1
+    for r in range(num_rows + 1):
+        row_starts[r] = 0
+    for f in range(features):
+        for i in range(offsets[f, 0], offsets[f, batch]):
+            row_starts[index[i] + 1] += 1
+    for r in range(num_rows):
+        row_starts[r + 1] += row_starts[r]
+    fill = row_starts[:-1].copy()
+    for f in range(features):
+        for b in range(batch):
+            for i in range(offsets[f, b], offsets[f, b + 1]):
+                row = index[i]
+                owners[fill[row]] = b * features + f
+                fill[row] += 1
+
+
+def transpose_bags(index: np.ndarray, offsets: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row_starts (num_rows + 1,), owners (ids,)): for each row the bags its ids sit in, the
+    backward's layout (see the module docstring). Computed once per batch, ahead of the step by the
+    lookup plan; `index` must lie in [0, num_rows) (the forward checks it)."""
+    row_starts = np.empty(num_rows + 1, dtype=np.int64)
+    owners = np.empty(index.shape[0], dtype=np.int32)
+    _transpose_kernel(index, offsets, num_rows, row_starts, owners)
+    return row_starts, owners
+
+
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _scatter_bags(
+def _gather_gradients(
     out: np.ndarray,
-    index: np.ndarray,
+    row_starts: np.ndarray,
+    owners: np.ndarray,
     offsets: np.ndarray,
     grad: np.ndarray,
     first: int,
     mean: bool,
-    blocks: int,
 ) -> None:
-    """out[index[i]] += grad[b, first + f] (/ len) for every id i of bag (f, b); float32 gradients.
-    Thread k adds columns [k * dim / blocks, (k + 1) * dim / blocks) (multiples of 16)."""
-    features, batch = offsets.shape[0], offsets.shape[1] - 1
+    """out[r] = sum of grad[b, first + f] (/ len) over the bags (f, b) of row r's ids (zero for none);
+    float32 gradients, each row written once, by one thread, in a fixed order."""
+    features = offsets.shape[0]
     dim = out.shape[1]
-    for k in numba.prange(blocks):
-        low, high = (dim * k // blocks) // 16 * 16, (dim * (k + 1) // blocks) // 16 * 16
-        if k == blocks - 1:
-            high = dim
-        for f in range(features):
-            for b in range(batch):
-                start, stop = offsets[f, b], offsets[f, b + 1]
-                if stop == start:
-                    continue
-                source = grad[b, first + f]
-                scale = np.float32(1.0) / np.float32(stop - start) if mean else np.float32(1.0)
-                for i in range(start, stop):
-                    target = out[index[i]]
-                    for d in range(low, high):
-                        target[d] += source[d] * scale
+    for r in numba.prange(out.shape[0]):
+        target = out[r]
+        for d in range(dim):
+            target[d] = 0.0
+        for k in range(row_starts[r], row_starts[r + 1]):
+            owner = owners[k]
+            b, f = owner // features, owner % features
+            source = grad[b, first + f]
+            if mean:
+                scale = np.float32(1.0) / np.float32(offsets[f, b + 1] - offsets[f, b])
+                for d in range(dim):
+                    target[d] += source[d] * scale
+            else:
+                for d in range(dim):
+                    target[d] += source[d]
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
-def _scatter_bags_bf16(
+def _gather_gradients_bf16(
     out: np.ndarray,
-    index: np.ndarray,
+    row_starts: np.ndarray,
+    owners: np.ndarray,
     offsets: np.ndarray,
     grad: np.ndarray,
     first: int,
     mean: bool,
-    blocks: int,
 ) -> None:
-    """`_scatter_bags` of bfloat16 gradients (their uint16 bits), widened and summed in float32."""
-    features, batch = offsets.shape[0], offsets.shape[1] - 1
-    dim = out.shape[1]
-    for k in numba.prange(blocks):
-        low, high = (dim * k // blocks) // 16 * 16, (dim * (k + 1) // blocks) // 16 * 16
-        if k == blocks - 1:
-            high = dim
-        widened = np.empty(dim, dtype=np.uint32)
+    """`_gather_gradients` of bfloat16 gradients (their uint16 bits), widened and summed in float32."""
+    features = offsets.shape[0]
+    num_rows, dim = out.shape
+    chunks = (num_rows + _ROW_CHUNK - 1) // _ROW_CHUNK
+    for c in numba.prange(chunks):
+        widened = np.empty(dim, dtype=np.uint32)  # one scratch row per chunk of rows
         as_float = widened.view(np.float32)
-        for f in range(features):
-            for b in range(batch):
-                start, stop = offsets[f, b], offsets[f, b + 1]
-                if stop == start:
-                    continue
+        for r in range(c * _ROW_CHUNK, min(num_rows, (c + 1) * _ROW_CHUNK)):
+            target = out[r]
+            for d in range(dim):
+                target[d] = 0.0
+            for k in range(row_starts[r], row_starts[r + 1]):
+                owner = owners[k]
+                b, f = owner // features, owner % features
                 source = grad[b, first + f]
-                scale = np.float32(1.0) / np.float32(stop - start) if mean else np.float32(1.0)
-                for d in range(low, high):
+                scale = np.float32(1.0)
+                if mean:
+                    scale = np.float32(1.0) / np.float32(offsets[f, b + 1] - offsets[f, b])
+                for d in range(dim):
                     widened[d] = np.uint32(source[d]) << np.uint32(16)
-                for i in range(start, stop):
-                    target = out[index[i]]
-                    for d in range(low, high):
-                        target[d] += as_float[d] * scale
-
-
-def column_blocks(dim: int, threads: int) -> int:
-    """How many column blocks the backward splits `dim` into: one per thread, at least 16 columns
-    (a float32 cache line) each, so that no two threads write one cache line."""
-    return max(1, min(threads, dim // 16))
+                for d in range(dim):
+                    target[d] += as_float[d] * scale
 
 
 class _PoolBags(torch.autograd.Function):
@@ -189,8 +219,9 @@ class _PoolBags(torch.autograd.Function):
         offsets: np.ndarray,
         mean: bool,
         dtype: torch.dtype,
+        transposed: tuple[np.ndarray, np.ndarray] | None,
     ) -> torch.Tensor:
-        ctx.index, ctx.offsets, ctx.mean = index, offsets, mean
+        ctx.index, ctx.offsets, ctx.mean, ctx.transposed = index, offsets, mean, transposed
         ctx.num_rows = rows.shape[0]
         source = rows.detach().numpy()
         features, batch = offsets.shape[0], offsets.shape[1] - 1
@@ -207,20 +238,21 @@ class _PoolBags(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
-        dim = grad.shape[2]
-        out = torch.zeros(ctx.num_rows, dim, dtype=torch.float32)
+        row_starts, owners = ctx.transposed or transpose_bags(ctx.index, ctx.offsets, ctx.num_rows)
+        out = torch.empty(ctx.num_rows, grad.shape[2], dtype=torch.float32)  # every row is written
         whole, first = _enclosing_rows(grad.detach())
-        blocks = column_blocks(dim, numba.get_num_threads())
         with _LAUNCH:
             if whole.dtype == torch.bfloat16:
                 bits = whole.view(torch.int16).numpy().view(np.uint16)
-                _scatter_bags_bf16(out.numpy(), ctx.index, ctx.offsets, bits, first, ctx.mean, blocks)
+                _gather_gradients_bf16(out.numpy(), row_starts, owners, ctx.offsets, bits, first, ctx.mean)
             else:
-                _scatter_bags(out.numpy(), ctx.index, ctx.offsets, whole.numpy(), first, ctx.mean, blocks)
-        return out, None, None, None, None
+                _gather_gradients(
+                    out.numpy(), row_starts, owners, ctx.offsets, whole.numpy(), first, ctx.mean
+                )
+        return out, None, None, None, None, None
 
 
 def pool_bags(
@@ -230,12 +262,15 @@ def pool_bags(
     *,
     mode: str = "sum",
     dtype: torch.dtype = torch.float32,
+    transposed: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """(B, F, D) pooled bags (see the module docstring), differentiable in `rows`.
 
     `rows` (U, D) float32 and C-contiguous; `index` (N,) int64 positions into `rows`; `offsets`
     (F, B + 1) int64, bag (f, b) = ``index[offsets[f, b]:offsets[f, b + 1]]`` (non-decreasing along
-    b); `mode` "sum" or "mean"; `dtype` float32 or bfloat16 (the output; gradients sum in float32).
+    b); `mode` "sum" or "mean"; `dtype` float32 or bfloat16 (the output; gradients sum in float32);
+    `transposed` the backward's layout (`transpose_bags`) when already computed (else the backward
+    computes it).
     """
     if mode not in MODES:
         raise ValueError(f"pool_bags: mode must be one of {MODES}, not {mode!r}")
@@ -251,5 +286,9 @@ def pool_bags(
         rows = rows.contiguous()
     index = np.ascontiguousarray(index, dtype=np.int64)
     offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-    result: torch.Tensor = _PoolBags.apply(rows, index, offsets, mode == "mean", dtype)
+    if transposed is not None and transposed[0].shape[0] != rows.shape[0] + 1:
+        raise ValueError(
+            f"pool_bags: transposed is for {transposed[0].shape[0] - 1} rows, not {rows.shape[0]}"
+        )
+    result: torch.Tensor = _PoolBags.apply(rows, index, offsets, mode == "mean", dtype, transposed)
     return result

@@ -41,7 +41,7 @@ from psrec.ps.client import (
     fused_key,
     linear_table_name,
 )
-from psrec.train.bag_pooling import pool_bags
+from psrec.train.bag_pooling import pool_bags, transpose_bags
 from psrec.train.pooling import gather_rows
 
 
@@ -71,6 +71,8 @@ class LookupPlan:
     # bag_index[bag_offsets[f, b]:bag_offsets[f, b + 1]] (F, B + 1) (`psrec.train.bag_pooling`).
     bag_index: np.ndarray | None = None
     bag_offsets: np.ndarray | None = None
+    # ... and the backward's layout of those ids, sorted by row (`bag_pooling.transpose_bags`)
+    bag_transposed: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def unique_ids(self) -> dict[str, np.ndarray]:
@@ -250,7 +252,9 @@ class BatchLookup:
             bag_offsets[f, 1:] += at[f]
             starts = bag_offsets[f, :-1] - at[f]
             pooled.append(FeatureIndex(key, table, inverse[at[f] : at[f] + size], starts, None, False))
-        return LookupPlan(replace(routing, fused=True), pooled, [], b, None, inverse, bag_offsets)
+        num_rows = sum(ids.size for ids in routing.unique_ids.values())
+        transposed = transpose_bags(inverse, bag_offsets, num_rows)  # here, in the planner thread
+        return LookupPlan(replace(routing, fused=True), pooled, [], b, None, inverse, bag_offsets, transposed)
 
     def _features(self, batch: Batch) -> tuple[list[_Feature], dict[str, np.ndarray]]:
         """Every pooled feature and sequence of `batch` with its table, and the sequences' ids."""
@@ -318,9 +322,11 @@ class BatchLookup:
         elif plan.bag_offsets is not None:
             assert plan.bag_index is not None
             # Every feature's bags pooled by one kernel from the one buffer (psrec.train.bag_pooling).
-            pooled = pool_bags(leaves.fused["rows"], plan.bag_index, plan.bag_offsets, dtype=pooled_dtype)
+            bags = (plan.bag_index, plan.bag_offsets)
+            transposed = plan.bag_transposed
+            pooled = pool_bags(leaves.fused["rows"], *bags, dtype=pooled_dtype, transposed=transposed)
             if linear_terms:
-                linear = pool_bags(leaves.fused["linear"], plan.bag_index, plan.bag_offsets).squeeze(-1)
+                linear = pool_bags(leaves.fused["linear"], *bags, transposed=transposed).squeeze(-1)
         elif plan.pooled:
             pooled = _pool(leaves, plan.pooled, b, lambda table: table)  # (B, F, D)
             if linear_terms:

@@ -61,10 +61,10 @@ def test_bags_have_the_lengths_asked_for_and_every_system_reads_them(tmp_path: P
         else:
             assert counts.min() == 0 and counts.max() == 12 and abs(counts.mean() - 6) < 0.6
         assert max(max(bag) for bag in bags if bag) < workload.multi_hot_cardinality()
-    # the label is in the bags: odd ids are more frequent in positive rows
+    # a noisy label is in the bags: odd ids are more frequent in positive rows, not all of them
     labels = table.column("label").to_numpy()
     odd = np.array([np.mean(np.array(bag) % 2) if bag else np.nan for bag in table.column("M1").to_pylist()])
-    assert np.nanmean(odd[labels == 1]) > np.nanmean(odd[labels == 0]) + 0.2
+    assert 0.08 < np.nanmean(odd[labels == 1]) - np.nanmean(odd[labels == 0]) < 0.25
     # the batches the PyTorch, TorchRec and TensorFlow systems train on hold exactly these bags
     batches = load_batches(sources["train"], workload, batch_size=128, max_batches=2)
     assert len(batches[0].ids) == 28

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from psrec.train.bag_pooling import column_blocks, pool_bags
+from psrec.train.bag_pooling import pool_bags, transpose_bags
 
 
 def _bags(
@@ -126,8 +126,20 @@ def test_bad_input_is_refused_with_its_reason() -> None:
         pool_bags(rows.double(), np.array([0, 1]), offsets)
 
 
-def test_column_blocks_keep_threads_off_each_others_cache_lines() -> None:
-    assert column_blocks(64, 2) == 2
-    assert column_blocks(16, 2) == 1
-    assert column_blocks(8, 4) == 1
-    assert column_blocks(128, 16) == 8
+def test_a_precomputed_transpose_gives_the_same_gradients() -> None:
+    rng = np.random.default_rng(4)
+    index, offsets, _, _ = _bags(rng, 20, 3, 15, max_length=7)
+    rows = torch.from_numpy(rng.normal(size=(15, 16)).astype(np.float32))
+    upstream = torch.from_numpy(rng.normal(size=(20, 3, 16)).astype(np.float32))
+    grads = []
+    for transposed in (None, transpose_bags(index, offsets, 15)):
+        leaf = rows.clone().requires_grad_()
+        (pool_bags(leaf, index, offsets, mode="mean", transposed=transposed) * upstream).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    row_starts, owners = transpose_bags(index, offsets, 15)
+    assert row_starts[-1] == index.size and np.array_equal(
+        np.diff(row_starts), np.bincount(index, minlength=15)
+    )
+    with pytest.raises(ValueError, match="transposed is for 15 rows"):
+        pool_bags(torch.zeros(9, 16), index % 9, offsets, transposed=(row_starts, owners))
