@@ -59,6 +59,7 @@ class ServeOptions:
     access_log: bool = False
     shard_rows: int | None = None  # tables with more rows go to lookup shards (`psrec.serve.sharded`)
     lookup_shards: int = 2
+    proxy_retry: bool = True  # psrec's middleware in Serve's proxy (`psrec.serve.proxy_retry`)
     direct_ingress: bool = False  # every replica also answers HTTP itself, on its own port
     direct_port: int = DEFAULT_DIRECT_PORT  # the first replica's port (the next ones count up)
 
@@ -153,7 +154,7 @@ def serving_environment(options: ServeOptions) -> dict[str, str]:
     (`psrec.serve.proxy_retry`), and with ``direct_ingress`` the replicas' own HTTP servers."""
     from psrec.serve.proxy_retry import CALLBACK, CALLBACK_VARIABLE
 
-    environment = {CALLBACK_VARIABLE: CALLBACK}
+    environment = {CALLBACK_VARIABLE: CALLBACK} if options.proxy_retry else {}
     if options.direct_ingress:
         environment.update(
             {
@@ -194,7 +195,8 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
         logging_config={"enable_access_log": options.access_log},
     )
     url = f"http://{options.host}:{options.port}/"
-    _check_proxy_middleware(url)
+    if options.proxy_retry:
+        _check_proxy_middleware(url)
     if options.direct_ingress:
         direct = replica_urls()
         if direct == [url]:
