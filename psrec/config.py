@@ -281,6 +281,11 @@ class FaultToleranceConfig(_Strict):
         description="a dead shard is rebuilt alone from its checkpoint file and a log of its operations "
         "since (no rollback, nothing recomputed; docs/fault_tolerance.md)",
     )
+    trainer_failover: bool = Field(
+        True,
+        description="with shard_failover, sync mode and 2+ trainers: a dead trainer is replaced alone, "
+        "its dense replica copied from a survivor (no rollback; docs/fault_tolerance.md)",
+    )
     push_log: str | None = Field(
         None,
         min_length=1,

@@ -112,7 +112,7 @@ class CollectiveConnection:
         self.bytes_received = 0
 
     # -- ShardConnection ---------------------------------------------------------------------
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending:
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool, request: int | None = None) -> Pending:
         unknown = sorted(set(requests) - set(self.table_dims))
         if unknown:
             raise KeyError(f"pull of unknown tables {unknown}; tables: {self.tables}")

@@ -198,18 +198,23 @@ class RayConnection:
     raises as before: the driver then rolls the job back.
     """
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, *, caller: str | None = None) -> None:
         self.actor = actor
-        self.caller = uuid.uuid4().hex  # names this connection's training pulls (`LoggedShard.pull`)
+        # Names this connection's training pulls (`LoggedShard.pull`): numbered by the caller when it
+        # gives `request` (a trainer: its step + 1, the same for its replacement), else counted here.
+        self.caller = caller
+        self._anonymous = uuid.uuid4().hex
         self._pulls = 0
         self._outstanding: list[_RayPending] = []
         self.resent = 0
 
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending:
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool, request: int | None = None) -> Pending:
         if not train:
             return self._submit("pull", (requests, train))
+        if request is not None and self.caller is not None:
+            return self._submit("pull", (requests, train, self.caller, request))
         self._pulls += 1
-        return self._submit("pull", (requests, train, self.caller, self._pulls))
+        return self._submit("pull", (requests, train, self._anonymous, self._pulls))
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return self._submit("push", (trainer, request_id, step, gradients))

@@ -46,7 +46,10 @@ class Pending(Protocol):
 class ShardConnection(Protocol):
     """How a client talks to one shard; calls return at once and `result()` waits."""
 
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Pending: ...
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool, request: int | None = None) -> Pending:
+        """`request`: a training pull's number in its caller's sequence (the step it serves, plus
+        one); a shard that logs its operations answers a repeat from its first reply."""
+        ...
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending: ...
 
@@ -67,7 +70,12 @@ class LocalConnection:
         self.shard = shard
 
     def pull(
-        self, requests: dict[str, np.ndarray], *, train: bool, out: dict[str, np.ndarray] | None = None
+        self,
+        requests: dict[str, np.ndarray],
+        *,
+        train: bool,
+        request: int | None = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> Pending:
         return _Done(self.shard.pull(requests, train=train, out=out))
 
@@ -218,25 +226,28 @@ class EmbeddingClient:
         return pairs
 
     # -- compute (remote) --------------------------------------------------------------------
-    def submit_pull(self, routing: RoutedIds, *, train: bool = True) -> PullRequest:
-        """Send every shard its ids; returns at once (prefetch keeps the request)."""
+    def submit_pull(
+        self, routing: RoutedIds, *, train: bool = True, request: int | None = None
+    ) -> PullRequest:
+        """Send every shard its ids; returns at once (prefetch keeps the request). `request`: the
+        training pull's number (`ShardConnection.pull`)."""
         routing = self.current(routing)
         pairs = self.tables_of(routing)
-        request = PullRequest([], routing=routing)
+        pulled = PullRequest([], routing=routing)
         if routing.fused:
             total = sum(ids.size for ids in routing.unique_ids.values())
-            request.fused["rows"] = np.empty(
+            pulled.fused["rows"] = np.empty(
                 (total, self.table_dims[next(iter(routing.unique_ids))]), np.float32
             )
             if self.linear_terms:
-                request.fused["linear"] = np.empty((total, 1), np.float32)
+                pulled.fused["linear"] = np.empty((total, 1), np.float32)
         for shard, connection in enumerate(self.connections):
             requests = {
                 name: routing.routed[source].ids_per_shard[shard]
                 for name, source in pairs
                 if routing.routed[source].ids_per_shard[shard].size
             }
-            if request.fused and isinstance(connection, LocalConnection) and _grouped(routing):
+            if pulled.fused and isinstance(connection, LocalConnection) and _grouped(routing):
                 # Each table's ids are grouped by shard (`Routed.order` None): this shard's rows
                 # have their own slice of the table's span in the fused buffer.
                 out = {}
@@ -244,13 +255,13 @@ class EmbeddingClient:
                     if name in requests:
                         first = routing.spans[source][0]
                         bounds = routing.routed[source].splits
-                        buffer = request.fused[fused_key(name)]
+                        buffer = pulled.fused[fused_key(name)]
                         out[name] = buffer[first + bounds[shard] : first + bounds[shard + 1]]
-                        request.in_place.add((shard, name))
-                request.handles.append(connection.pull(requests, train=train, out=out))
+                        pulled.in_place.add((shard, name))
+                pulled.handles.append(connection.pull(requests, train=train, out=out))
             else:
-                request.handles.append(connection.pull(requests, train=train))
-        return request
+                pulled.handles.append(connection.pull(requests, train=train, request=request))
+        return pulled
 
     def collect_pull(self, routing: RoutedIds, request: PullRequest) -> PulledRows:
         routing = request.routing or routing

@@ -10,8 +10,11 @@ they were when the last operation was logged. Nothing else is restored or recomp
 
 Retries are idempotent: a push whose request id is not newer than the trainer's last is dropped by
 the shard (and not logged), and a training pull carries a per-caller sequence number, so a pull
-sent again after a failure (its first copy ran, its reply was lost) is answered from the rows
-without inserting or counting anything a second time.
+sent again after a failure (its first copy ran, its reply was lost) is answered without inserting or
+counting anything a second time: with the rows of its first reply when it is one of the caller's
+last `REPLIES_KEPT` pulls (the shard may have applied a step's update since: a trainer that repeats
+the step it died in must see the rows that step saw; `psrec.train.trainer_failover`), else with the
+current rows. The replies kept are rebuilt by the replay.
 
     prepare_fresh(Path("log/shard-0"))                                          # the driver, once
     shard = LoggedShard.open(ParameterShard(0, tables), Path("log/shard-0"))   # fresh or recovered
@@ -21,10 +24,12 @@ without inserting or counting anything a second time.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,9 @@ logger = logging.getLogger(__name__)
 RECOVERING_FILE = "recovering.json"
 FRESH_FILE = "fresh"
 RECOVERIES_FILE = "recoveries.jsonl"  # one line per rebuild of the shard: its recovery report
+# Training pulls per caller whose replies a shard keeps: the step a trainer died in and the next one
+# it may have pulled ahead, with one to spare.
+REPLIES_KEPT = 3
 
 
 def recoveries(directory: Path) -> list[dict[str, Any]]:
@@ -109,6 +117,8 @@ class LoggedShard:
         self.shard = shard
         self.log = log
         self.last_pull: dict[str, int] = {}  # caller -> sequence number of its last training pull
+        # caller -> its last REPLIES_KEPT training pulls: (number, tables, ids, rows returned)
+        self._replies: dict[str, collections.deque[_Reply]] = {}
         self.restores = 0  # restores the driver asked for (a rollback or a resume)
         self.recovery: dict[str, Any] | None = None  # how this process rebuilt the shard, if it did
         self._restored = 0.0  # when the checkpoint chain was loaded, during a recovery
@@ -187,9 +197,12 @@ class LoggedShard:
         meta = record.meta
         if record.op == "pull":
             requests = {name: record.arrays[f"{i}/ids"] for i, name in enumerate(meta["tables"])}
+            rows = self.shard.pull(requests, train=True)
             if meta["caller"] is not None:
                 self.last_pull[meta["caller"]] = int(meta["request"])
-            return self.shard.pull(requests, train=True)
+                kept = self._replies.setdefault(meta["caller"], collections.deque(maxlen=REPLIES_KEPT))
+                kept.append(_Reply(int(meta["request"]), requests, rows))
+            return rows
         if record.op == "push":
             return self.shard.push(
                 int(meta["trainer"]), int(meta["request"]), int(meta["step"]), _gradients(record)
@@ -212,7 +225,11 @@ class LoggedShard:
         if not train:
             return self.shard.pull(requests, train=False)
         if caller is not None and request is not None and request <= self.last_pull.get(caller, 0):
-            # Sent again after a failure: its first copy ran (and is logged); answer without a change.
+            # Sent again after a failure: its first copy ran (and is logged); answer without a change,
+            # with the first reply's rows while it is kept.
+            for reply in self._replies.get(caller, ()):
+                if reply.request == request and reply.asks(requests):
+                    return reply.rows
             return self.shard.pull(requests, train=False)
         names = list(requests)
         arrays = {f"{i}/ids": requests[name] for i, name in enumerate(names)}
@@ -276,6 +293,9 @@ class LoggedShard:
         restore_shard(self.shard, chain, step, bucket_map=bucket_map)
         if bucket_map is not None:
             self.bucket_map = [int(shard) for shard in bucket_map]
+        # The steps after `step` run again: their pulls (numbered step + 1 on) are new ones.
+        self.last_pull = {caller: min(number, step) for caller, number in self.last_pull.items()}
+        self._replies.clear()
         self.restores += 1
         self.checkpointed(chain)
 
@@ -293,6 +313,21 @@ class LoggedShard:
             "restores": self.restores,
             "recovery": self.recovery,
         }
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """One training pull a shard answered: its number, what it asked and the rows it got."""
+
+    request: int
+    requests: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
+
+    def asks(self, requests: dict[str, np.ndarray]) -> bool:
+        """Whether `requests` asks for the same ids of the same tables."""
+        return requests.keys() == self.requests.keys() and all(
+            np.array_equal(ids, self.requests[name]) for name, ids in requests.items()
+        )
 
 
 def _gradients(record: LogRecord) -> TableGradients:

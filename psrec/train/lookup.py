@@ -283,8 +283,8 @@ class BatchLookup:
             ) from None
 
     # -- pull ----------------------------------------------------------------------------------
-    def submit_pull(self, plan: LookupPlan, *, train: bool = True) -> PullRequest:
-        return self.client.submit_pull(plan.routing, train=train)
+    def submit_pull(self, plan: LookupPlan, *, train: bool = True, request: int | None = None) -> PullRequest:
+        return self.client.submit_pull(plan.routing, train=train, request=request)
 
     def collect_pull(self, plan: LookupPlan, request: PullRequest) -> PulledRows:
         return self.client.collect_pull(plan.routing, request)

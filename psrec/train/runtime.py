@@ -30,7 +30,7 @@ from psrec.embedding.tiered_table import tier_rates
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
-from psrec.train import builders, placement
+from psrec.train import builders, placement, trainer_failover
 from psrec.train.cluster import required_cpus, settle_lost_actors, start_ray
 from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import ChunkResult, TrainerWorker
@@ -294,7 +294,8 @@ class RayRuntime(RuntimeBase):
     with the dead one), dead shards are re-created, and every shard and trainer is restored from the
     given checkpoint chain, so the whole job continues from the last committed checkpoint. With
     ``fault_tolerance.shard_failover`` a dead shard is first rebuilt alone, in place, from its
-    checkpoint file and its log (`psrec.train.failover`); `recover` runs only when that fails.
+    checkpoint file and its log (`psrec.train.failover`), and a trainer that dies while training is
+    replaced alone (`psrec.train.trainer_failover`); `recover` runs only when that fails.
     """
 
     def __init__(self, config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> None:
@@ -339,6 +340,12 @@ class RayRuntime(RuntimeBase):
         self.placement: dict[str, Any] = {}
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
+        # trainer failover: each trainer's place at the last step boundary, attempts, reports
+        self._replaces_trainers = trainer_failover.failover_refusal(config) is None
+        self.cursors = [trainer_failover.Cursor(0, 0, None) for _ in range(config.ps.num_trainers)]
+        self._failover_attempts = 0
+        self._trainer_failovers: list[dict[str, Any]] = []
+        self._trainer_options: list[dict[str, Any]] = []
         try:
             if not self.collective:
                 self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
@@ -365,23 +372,64 @@ class RayRuntime(RuntimeBase):
         )
 
     def _start_trainers(self) -> None:
-        import ray
 
         ps = self.config.ps
-        options = self._trainer_group.start(ps.num_trainers)
-        routed = self.shards[: int(self.bucket_map().max()) + 1]  # shards a resharding added or kept
-        routing = {"bucket_map": self._bucket_map, "routing_version": self._routing_version}
-        self.trainers = [
-            self._trainer_class.options(**options[i]).remote(
-                self.config, i, routed, base_dir=self._base_dir, data_sources=self._data_sources, **routing
-            )
-            for i in range(ps.num_trainers)
-        ]
+        self._trainer_options = self._trainer_group.start(ps.num_trainers)
+        self.trainers = [self.start_trainer(i) for i in range(ps.num_trainers)]
         _get([s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300)
         self._report_placement()
         if ps.num_trainers > 1:
-            address, port = ray.get(self.trainers[0].listen_for_group.remote())
-            _get([t.init_process_group.remote(address, port) for t in self.trainers])
+            self.form_group(None)
+
+    # -- trainer failover (`psrec.train.trainer_failover.TrainerActors`) ---------------------------
+    def start_trainer(self, index: int) -> Any:
+        """A new actor for trainer `index`, in its place of the trainers' placement group."""
+        routed = self.shards[: int(self.bucket_map().max()) + 1]  # shards a resharding added or kept
+        routing = {"bucket_map": self._bucket_map, "routing_version": self._routing_version}
+        return self._trainer_class.options(**self._trainer_options[index]).remote(
+            self.config, index, routed, base_dir=self._base_dir, data_sources=self._data_sources, **routing
+        )
+
+    def form_group(self, timeout_s: float | None) -> None:
+        """Every trainer joins a new process group (the dense allreduce), trainer 0 serving its store."""
+        import ray
+
+        address, port = ray.get(self.trainers[0].listen_for_group.remote(), timeout=60)
+        _get([t.init_process_group.remote(address, port, timeout_s) for t in self.trainers])
+
+    def answers(self, actor: Any, timeout: float) -> bool:
+        return _answers(actor, timeout=timeout)
+
+    def spend_restart(self) -> bool:
+        spent = self._failover_attempts + len(
+            self._failover.failovers(len(self.shards)) if self._failover else []
+        )
+        if spent >= self.config.fault_tolerance.max_restarts:
+            return False
+        self._failover_attempts += 1
+        return True
+
+    def record(self, report: dict[str, Any]) -> None:
+        logger.warning("trainer failover: %s", report)
+        self._trainer_failovers.append(report)
+        self._report_placement()
+
+    def train_steps(self, max_steps: int) -> list[ChunkResult]:
+        if not self._replaces_trainers:
+            return super().train_steps(max_steps)
+        return trainer_failover.train_steps(self, max_steps)
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.cursors = [trainer_failover.Cursor(c.step, epoch, None) for c in self.cursors]
+
+    def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]:
+        restored = super().restore(chain)
+        self.cursors = [
+            trainer_failover.Cursor(int(s["step"]), int(s["epoch"]), s["position"])
+            for s in self._all_trainers("checkpoint_state")
+        ]
+        return restored
 
     # -- primitives ------------------------------------------------------------------------------
     @property
@@ -425,7 +473,8 @@ class RayRuntime(RuntimeBase):
             self._failover.committed(self.shards, ref)
 
     def failovers(self) -> list[dict[str, Any]]:
-        return self._failover.failovers(len(self.shards)) if self._failover is not None else []
+        shards = self._failover.failovers(len(self.shards)) if self._failover is not None else []
+        return shards + self._trainer_failovers
 
     def failover_reports(self) -> list[dict[str, Any] | None]:
         """Each shard's log report: records and bytes logged, restores, how it was rebuilt (or None)."""

@@ -165,15 +165,16 @@ class StepRunner:
         # Reader position after the last batch trained on (None: none yet from this reader).
         self.trained_position: Any = None
 
-    def _submit(self, planner: _Planner, ahead: collections.deque[_Prefetched]) -> bool:
-        """Route the next batch (already done by the planner) and submit its pull; False at the end."""
+    def _submit(self, planner: _Planner, ahead: collections.deque[_Prefetched], step: int) -> bool:
+        """Route the next batch (already done by the planner) and submit its pull for `step`; False
+        at the end. The pull is numbered `step + 1` (a repeat of the step sends the same number)."""
         start = time.perf_counter()
         item = planner.next()
         start = self.timer.add("plan", start)
         if item is None:
             return False
         batch, plan, position = item
-        request = self.client.submit_pull(plan, train=True)
+        request = self.client.submit_pull(plan, train=True, request=step + 1)
         ahead.append(_Prefetched(batch, plan, request, position))
         self.timer.add("pull", start)
         return True
@@ -200,7 +201,8 @@ class StepRunner:
 
         The planner keeps reading ahead between calls with the same `batches` (its read-ahead is
         not lost at a chunk's end); `position` gives the reader's position, recorded per batch in
-        `trained_position`. An error closes the planner, so a retry starts from the reader afresh.
+        `trained_position`. An error closes the planner, so a retry starts from the reader afresh;
+        `trained_position` still says where the last step that completed left the reader.
         """
         self.model.train()
         ahead: collections.deque[_Prefetched] = collections.deque()
@@ -218,7 +220,7 @@ class StepRunner:
             # Never beyond this call's `max_steps`: a pull submitted early grows tables.
             try:
                 while not exhausted and len(ahead) <= self.staleness and taken < max_steps:
-                    exhausted = not self._submit(planner, ahead)
+                    exhausted = not self._submit(planner, ahead, first_step + taken)
                     taken += not exhausted
             except Exception as error:  # noqa: BLE001 - the current step completes first
                 exhausted, failure = True, error
@@ -252,7 +254,9 @@ class StepRunner:
                     yield result
                     step += 1
         except BaseException:
+            trained = self.trained_position
             self.close()
+            self.trained_position = trained
             raise
         self.flush()
 

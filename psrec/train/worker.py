@@ -8,6 +8,7 @@ reports progress, so those happen at step boundaries.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -57,6 +58,25 @@ class ChunkResult:
     input_counts: dict[str, int] = field(default_factory=dict)
     failed_units: list[dict[str, Any]] = field(default_factory=list)
     first_step_at: float | None = None  # wall clock when the chunk's first step ended
+    # where the trainer stands after it (`TrainerWorker.checkpoint_state`): step, epoch, reader position
+    state: dict[str, Any] | None = None
+
+
+@dataclass
+class _ChunkSoFar:
+    """The steps of a chunk done so far (kept on the trainer, so a chunk a failure cut short still
+    reports the steps it completed: `TrainerWorker.abort_chunk`)."""
+
+    steps: int = 0
+    samples: int = 0
+    loss_sum: float = 0.0
+    scores: list[np.ndarray] = field(default_factory=list)
+    labels: list[np.ndarray] = field(default_factory=list)
+    row_ids: list[np.ndarray] = field(default_factory=list)
+    first_step_at: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # the runner's phase times at its start
+    pulled: int = 0
+    pushed: int = 0
 
 
 # The reader's counters of bad input (`BatchReader.stats`) that travel to the driver's summary.
@@ -124,8 +144,12 @@ class TrainerWorker:
             if self.world_size == 1:
                 self._build_collective_client()
         else:
+            # A trainer's training pulls are numbered by step under its own name (its replacement's too).
             connections: list[ShardConnection] = [
-                LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
+                LocalConnection(s)
+                if isinstance(s, ParameterShard)
+                else RayConnection(s, caller=f"trainer-{trainer_index}")
+                for s in shards
             ]
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
             if local:  # pulls and pushes run on the training thread: input threads hold back then
@@ -144,6 +168,8 @@ class TrainerWorker:
         self.epoch = -1
         self._reader: Any = None
         self._batches: Any = None
+        self._opened_at: Any = None  # the position the reader was opened at
+        self._chunk = self._new_chunk()
         self._snapshots: dict[str, dict[str, Any]] = {}
         self._input_reported: dict[str, int] = {}  # the reader's counters already reported
         self._failed_reported = 0
@@ -239,9 +265,12 @@ class TrainerWorker:
         self._store_listener = rendezvous.listen(self._node_address())
         return self._node_address(), int(self._store_listener.getsockname()[1])
 
-    def init_process_group(self, master_address: str, master_port: int) -> None:
+    def init_process_group(
+        self, master_address: str, master_port: int, timeout_s: float | None = None
+    ) -> None:
         """Join the trainers' gloo group (dense allreduce); NCCL when the trainers have GPUs. Trainer 0
-        serves the store on the socket `listen_for_group` opened."""
+        serves the store on the socket `listen_for_group` opened. `timeout_s` bounds the wait for the
+        others (and every collective); torch's default otherwise."""
         backend = (
             "nccl" if torch.cuda.is_available() and self.config.ps.trainer_resources.num_gpus > 0 else "gloo"
         )
@@ -254,6 +283,7 @@ class TrainerWorker:
             world_size=self.world_size,
             local_address=self._node_address(),
             listen_fd=listener.detach() if listener is not None else None,
+            timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
         )
         if self.collective:
             self._build_collective_client()
@@ -290,6 +320,7 @@ class TrainerWorker:
             cache=self._data_cache,
         )
         self._batches = iter(self._reader)
+        self._opened_at = position
         self._input_reported = {}
         self._failed_reported = 0
 
@@ -303,48 +334,117 @@ class TrainerWorker:
     def train_steps(self, max_steps: int) -> ChunkResult:
         if self._batches is None:
             raise RuntimeError("train_steps before start_epoch")
-        before = dict(self.runner.timer.seconds)
-        pulled, pushed = self.client.bytes_pulled, self.client.bytes_pushed
-        steps, samples, loss_sum = 0, 0, 0.0
-        scores, labels, row_ids = [], [], []
+        chunk = self._chunk
+        steps = 0
         # A runner that reads ahead across chunks records the position of what it trained on.
         run = self.runner.run(
             self._batches, first_step=self.step, max_steps=max_steps, position=self._reader.position
         )
-        first_step_at = None
         for result in run:
             steps += 1
-            if first_step_at is None:
-                first_step_at = time.time()
+            self.step = result.step + 1
+            chunk.steps += 1
+            if chunk.first_step_at is None:
+                chunk.first_step_at = time.time()
             n = result.labels.shape[0]
             if n:
-                samples += n
-                loss_sum += result.loss * n
+                chunk.samples += n
+                chunk.loss_sum += result.loss * n
                 if result.scores.ndim == 2:  # ranking models: [positive, negative] logits per sample
-                    scores.append(1 / (1 + np.exp(-result.scores.reshape(-1))))
-                    labels.append(np.tile(np.array([1.0, 0.0], np.float32), n))
+                    chunk.scores.append(1 / (1 + np.exp(-result.scores.reshape(-1))))
+                    chunk.labels.append(np.tile(np.array([1.0, 0.0], np.float32), n))
                 else:
-                    scores.append(result.scores)
-                    labels.append(result.labels)
+                    chunk.scores.append(result.scores)
+                    chunk.labels.append(result.labels)
                 if result.row_ids is not None:
-                    row_ids.append(result.row_ids)
-        self.step += steps
+                    chunk.row_ids.append(result.row_ids)
+        return self._take_chunk(exhausted=steps < max_steps)
+
+    def _new_chunk(self) -> _ChunkSoFar:
+        runner = getattr(self, "runner", None)
+        if runner is None:  # strategy "collective" builds its runner with the process group
+            return _ChunkSoFar()
+        return _ChunkSoFar(
+            phases=dict(runner.timer.seconds),
+            pulled=self.client.bytes_pulled,
+            pushed=self.client.bytes_pushed,
+        )
+
+    def _take_chunk(self, *, exhausted: bool) -> ChunkResult:
+        """The steps done since the last chunk was taken, as one result; starts the next chunk."""
+        chunk = self._chunk
         input_counts, failed_units = self._input_report()
-        return ChunkResult(
-            steps=steps,
-            samples=samples,
-            loss_sum=loss_sum,
-            scores=np.concatenate(scores) if scores else np.zeros(0, np.float32),
-            labels=np.concatenate(labels) if labels else np.zeros(0, np.float32),
-            row_ids=np.concatenate(row_ids) if row_ids else np.zeros(0, np.int64),
-            exhausted=steps < max_steps,
-            phase_seconds={k: v - before.get(k, 0.0) for k, v in self.runner.timer.seconds.items()},
-            bytes_pulled=self.client.bytes_pulled - pulled,
-            bytes_pushed=self.client.bytes_pushed - pushed,
+        result = ChunkResult(
+            steps=chunk.steps,
+            samples=chunk.samples,
+            loss_sum=chunk.loss_sum,
+            scores=np.concatenate(chunk.scores) if chunk.scores else np.zeros(0, np.float32),
+            labels=np.concatenate(chunk.labels) if chunk.labels else np.zeros(0, np.float32),
+            row_ids=np.concatenate(chunk.row_ids) if chunk.row_ids else np.zeros(0, np.int64),
+            exhausted=exhausted,
+            phase_seconds={k: v - chunk.phases.get(k, 0.0) for k, v in self.runner.timer.seconds.items()},
+            bytes_pulled=self.client.bytes_pulled - chunk.pulled,
+            bytes_pushed=self.client.bytes_pushed - chunk.pushed,
             input_counts=input_counts,
             failed_units=failed_units,
-            first_step_at=first_step_at,
+            first_step_at=chunk.first_step_at,
+            state=self.checkpoint_state(),
         )
+        self._chunk = self._new_chunk()
+        return result
+
+    # -- trainer failover (psrec.train.trainer_failover) -------------------------------------------
+    def abort_chunk(self) -> dict[str, Any]:
+        """After a chunk a dead trainer cut short: leave the broken group, hand over the steps that
+        completed (`partial`) and where they left this trainer (`state`), and reopen the reader
+        there (the read-ahead is dropped). Called again, it hands over nothing more."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        partial = self._take_chunk(exhausted=False)
+        position = self.runner.trained_position
+        if position is None:
+            position = self._opened_at
+        state = {**self.checkpoint_state(), "position": position}
+        self.start_epoch(self.epoch, position=position)
+        self._mark_input_reported()
+        return {"state": state, "partial": partial}
+
+    def replica_state(self) -> dict[str, Any]:
+        """This trainer's dense replica: the model, its optimizer and its snapshots."""
+        return {
+            "model": self.dense_state(),
+            "optimizer": _clone(self.optimizer.state_dict()),
+            "snapshots": self._snapshots,
+        }
+
+    def take_over(
+        self, replica: dict[str, Any], *, step: int, epoch: int, position: Any, skip: int
+    ) -> ChunkResult:
+        """Become the trainer that died: the survivors' dense `replica`, at `step`. The dead trainer's
+        reader stood at `position` `skip` steps before `step`: those batches were trained on, so they
+        are read past (not trained); the result reports them (their rows, without scores)."""
+        self.model.load_state_dict(replica["model"])
+        self.optimizer.load_state_dict(replica["optimizer"])
+        self._snapshots = dict(replica["snapshots"])
+        self.start_epoch(epoch, position=position)
+        self._mark_input_reported()
+        self._chunk = self._new_chunk()
+        chunk = self._chunk
+        for _ in range(skip):
+            batch = next(self._batches, None)
+            if batch is None:  # out of data: the dead trainer ran empty steps
+                break
+            chunk.samples += batch.labels.shape[0]
+            if batch.row_ids is not None:
+                chunk.row_ids.append(batch.row_ids)
+        chunk.steps = skip
+        self._opened_at = self._reader.position()
+        self.step = step
+        return self._take_chunk(exhausted=False)
+
+    def _mark_input_reported(self) -> None:
+        """Count the reader's bad input from here on (what it counted before was reported)."""
+        self._input_report()
 
     def _input_report(self) -> tuple[dict[str, int], list[dict[str, Any]]]:
         """The reader's bad-input counters and failed units since the last report (this epoch's reader)."""
@@ -451,6 +551,7 @@ class TrainerWorker:
         if dense:
             self.model.load_state_dict(dense["model"])
             self.optimizer.load_state_dict(dense["optimizer"])
+        self._chunk = self._new_chunk()
         if state is None:
             self.step, self.epoch = 0, -1
             return
