@@ -156,6 +156,7 @@ def main() -> None:
             "data.schema": criteo_schema().model_dump(),
             "checkpoint.every_steps": args.every,
             "training.log_every_steps": 10,
+            "fault_tolerance.shard_failover": False,  # a lost node rolls the job back
         }
         local_data = {f"data.{split}": source for split, source in sources(str(root / "data")).items()}
 

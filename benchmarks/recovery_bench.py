@@ -45,6 +45,7 @@ def main() -> None:
                     "data.synthetic.train_rows": args.rows,
                     "checkpoint.every_steps": args.every,
                     "training.log_every_steps": 5,
+                    "fault_tolerance.shard_failover": False,  # the whole-job rollback
                 },
             )
             runtime = RayRuntime(config, base_dir=".", data_sources=prepare_data(config, base_dir=Path(".")))

@@ -277,9 +277,9 @@ class CheckpointConfig(_Strict):
 class FaultToleranceConfig(_Strict):
     max_restarts: int = Field(3, ge=0, description="actor failures survived before the run gives up")
     shard_failover: bool = Field(
-        False,
+        True,
         description="a dead shard is rebuilt alone from its checkpoint file and a log of its operations "
-        "since (no rollback, nothing recomputed; docs/fault_tolerance.md)",
+        "since (no rollback, nothing recomputed; Ray, strategy ps, checkpoints on; docs/fault_tolerance.md)",
     )
     trainer_failover: bool = Field(
         True,

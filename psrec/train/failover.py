@@ -61,6 +61,9 @@ class ShardFailover:
         settings = config.fault_tolerance
         if not settings.shard_failover or config.ps.strategy == "collective":
             return None
+        if not config.checkpoint.enabled:  # a log starts again only at a checkpoint: it would only grow
+            logger.info("shard failover is off: checkpoint.enabled is false")
+            return None
         if settings.push_log is None:
             parent = Path(tempfile.gettempdir()) / DEFAULT_LOG_DIR
         elif storage.is_uri(settings.push_log):

@@ -15,8 +15,14 @@ from tests.conftest import small_run_config
 SOURCES: dict[str, Any] = {"train": {"format": "parquet", "paths": ["unused.parquet"]}}
 
 
-def test_off_by_default_and_off_for_collective_tables(tmp_path: Path) -> None:
-    assert ShardFailover.for_run(small_run_config(SOURCES, tmp_path)) is None
+def test_on_by_default_and_off_for_collective_tables_or_without_checkpoints(tmp_path: Path) -> None:
+    on = ShardFailover.for_run(small_run_config(SOURCES, tmp_path, **{"ps.runtime": "ray"}))
+    assert on is not None
+    on.close()
+    off = {"fault_tolerance.shard_failover": False}
+    assert ShardFailover.for_run(small_run_config(SOURCES, tmp_path, **off)) is None
+    unsaved = {"checkpoint.enabled": False}
+    assert ShardFailover.for_run(small_run_config(SOURCES, tmp_path, **unsaved)) is None
     collective = small_run_config(
         SOURCES,
         tmp_path,

@@ -28,6 +28,7 @@ def fault_config(sources: dict[str, Any], run_dir: Path, **overrides: Any) -> An
         "checkpoint.every_steps": 20,
         "checkpoint.full_every": 2,
         "training.log_every_steps": 5,
+        "fault_tolerance.shard_failover": False,  # the whole-job rollback is what these tests check
     }
     return small_run_config(sources, run_dir, **(settings | overrides))
 

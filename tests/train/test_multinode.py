@@ -39,6 +39,7 @@ SETTINGS = {
     "checkpoint.every_steps": 20,
     "checkpoint.full_every": 2,
     "training.log_every_steps": 5,
+    "fault_tolerance.shard_failover": False,  # node loss rolls the job back: what these tests check
 }
 
 
