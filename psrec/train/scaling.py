@@ -185,14 +185,15 @@ class _Settings:
 
     @classmethod
     def of(cls, config: RunConfig) -> _Settings:
-        return cls(config.ps.strategy, config.fault_tolerance.shard_failover, config.ps.num_buckets)
+        # shard failover acts on Ray only: an in-process run reshards whatever the setting says
+        failover = config.fault_tolerance.shard_failover and config.ps.runtime == "ray"
+        return cls(config.ps.strategy, failover, config.ps.num_buckets)
 
     @classmethod
     def of_json(cls, config: dict[str, Any]) -> _Settings:
         ps, fault = config.get("ps", {}), config.get("fault_tolerance", {})
-        return cls(
-            ps.get("strategy", "ps"), bool(fault.get("shard_failover")), int(ps.get("num_buckets", 1024))
-        )
+        failover = bool(fault.get("shard_failover")) and ps.get("runtime") == "ray"
+        return cls(ps.get("strategy", "ps"), failover, int(ps.get("num_buckets", 1024)))
 
 
 def config_refusal(settings: _Settings) -> str | None:

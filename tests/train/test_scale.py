@@ -170,6 +170,8 @@ def test_scale_requests_that_cannot_be_made_say_why_and_write_nothing(
         changed = config.model_dump(mode="json", by_alias=True)
         section = "ps" if field == "strategy" else "fault_tolerance"
         changed[section][field] = value
+        if field == "shard_failover":  # failover acts on Ray only
+            changed["ps"]["runtime"] = "ray"
         (run_dir / "config.json").write_text(json.dumps(changed))
         with pytest.raises(ScaleError, match=message):
             request_scale(str(run_dir), 3)

@@ -36,6 +36,7 @@ def ray_config(sources: dict[str, Any], run_dir: Path) -> Any:
         "checkpoint.full_every": 2,
         "training.log_every_steps": 5,
         "training.max_steps": STEPS,
+        "fault_tolerance.shard_failover": False,  # live resharding needs failover off on Ray
     }
     return small_run_config(sources, run_dir, **settings)
 
