@@ -175,8 +175,8 @@ class _CopyingConnection:
     def __init__(self, shard: ParameterShard) -> None:
         self.inner = LocalConnection(shard)
 
-    def pull(self, requests: dict[str, np.ndarray], *, train: bool) -> Any:
-        return self.inner.pull(requests, train=train)
+    def pull(self, requests: dict[str, np.ndarray], *, train: bool, request: int | None = None) -> Any:
+        return self.inner.pull(requests, train=train, request=request)
 
     def push(self, trainer: int, request_id: int, step: int, gradients: Any) -> Any:
         return self.inner.push(trainer, request_id, step, gradients)
