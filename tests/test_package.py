@@ -54,3 +54,10 @@ def test_public_names_resolve_lazily() -> None:
         "assert set(psrec.__all__) == set(psrec._EXPORTS); [getattr(psrec, n) for n in psrec.__all__]"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shard_actors_start_without_torch() -> None:
+    """A shard process imports only the shard side (the actor module and what it reaches): no torch,
+    whose import (and its compiler stack) would cost every shard start seconds."""
+    code = "import sys, psrec.ps.actors; assert 'torch' not in sys.modules, 'the shard side imports torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

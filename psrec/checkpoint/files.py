@@ -32,7 +32,6 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import numpy as np
-import torch
 
 from psrec.storage import Location, StoragePath
 
@@ -184,6 +183,8 @@ def write_torch_state(
     path: Location, state: Mapping[str, Any], *, sync_directory: bool = True
 ) -> tuple[str, int] | None:
     """Store a (nested) state dict of tensors and plain values; see `read_torch_state`."""
+    import torch  # shard processes never write dense state and start without torch
+
     buffer = io.BytesIO()
     torch.save(dict(state), buffer)
     # weights_only loading must accept it, or resume would fail long after the save "succeeded".
@@ -201,5 +202,7 @@ def write_torch_state(
 
 
 def read_torch_state(path: Location) -> dict[str, Any]:
+    import torch
+
     source = io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path
     return torch.load(source, map_location="cpu", weights_only=True)
