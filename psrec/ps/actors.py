@@ -139,29 +139,30 @@ class ShardActor:
             self.logged.checkpointed(chain)
 
     # -- bucket moves (`psrec.ps.bucket_move`), between steps ----------------------------------
+    # A logged shard logs the rows it imports and the buckets it drops (a rebuilt shard replays them);
+    # a call may then be sent again after a failure: `move` names an import, a drop finds nothing twice.
     def export_buckets(self, buckets: list[int], num_buckets: int) -> dict[str, np.ndarray]:
         """The rows of `buckets` (with optimizer state, counts, snapshots) for another shard."""
-        return bucket_move.bucket_rows(self._movable(), buckets, num_buckets)
+        return bucket_move.bucket_rows(self.shard, buckets, num_buckets)
 
-    def import_buckets(self, arrays: dict[str, np.ndarray], num_buckets: int) -> int:
-        """Add rows another shard exported; returns how many."""
-        return bucket_move.add_bucket_rows(self._movable(), arrays, num_buckets=num_buckets)
+    def import_buckets(self, arrays: dict[str, np.ndarray], num_buckets: int, move: str) -> int:
+        """Add rows another shard exported; returns how many (a repeated `move` adds nothing)."""
+        if self.logged is not None:
+            return self.logged.import_buckets(arrays, num_buckets=num_buckets, move=move)
+        return bucket_move.add_bucket_rows(self.shard, arrays, num_buckets=num_buckets)
 
     def drop_buckets(self, buckets: list[int], num_buckets: int) -> int:
         """Remove the rows of `buckets` (they moved to another shard); returns how many."""
-        return bucket_move.drop_buckets(self._movable(), buckets, num_buckets)
+        if self.logged is not None:
+            return self.logged.drop_buckets(buckets, num_buckets=num_buckets)
+        return bucket_move.drop_buckets(self.shard, buckets, num_buckets)
 
     def start_at(self, step: int) -> None:
         """A shard added while training: it expects the pushes of `step` next."""
-        bucket_move.start_at(self._movable(), step)
-
-    def _movable(self) -> ParameterShard:
         if self.logged is not None:
-            raise bucket_move.MoveError(
-                f"shard {self.shard.shard_index} logs for failover (fault_tolerance.shard_failover): its "
-                "buckets cannot move while training"
-            )
-        return self.shard
+            self.logged.start_at(step)
+        else:
+            bucket_move.start_at(self.shard, step)
 
     def failover_report(self) -> dict[str, Any] | None:
         """This process's log: records and bytes written, restores, and how it rebuilt the shard."""

@@ -3,8 +3,8 @@
 A shard whose process dies is rebuilt alone from its file of the last checkpoint plus this log
 (`psrec.ps.replay`), so the log holds exactly what the checkpoint does not: the training pulls
 (they insert ids and count admissions), the pushes (gradients as they arrived on the wire) and the
-maintenance calls that change tables (learning rates, eviction, snapshots), in the order the shard
-executed them. A record is written before the operation runs and before its caller hears back, so
+maintenance calls that change tables (learning rates, eviction, snapshots) and the bucket moves of a
+resharding (the rows that arrived, the buckets dropped), in the order the shard executed them. A record is written before the operation runs and before its caller hears back, so
 every acknowledged push is in the log.
 
 Layout, one directory per shard::
@@ -19,13 +19,13 @@ the operations of `checkpoint.every_steps` steps.
 
 Record framing: ``b"PSRL" | u32 header length | u64 payload length | u32 crc32 | header | payload``;
 the header is JSON (`op`, its arguments, and each array's key, dtype and shape), the payload the
-arrays' bytes back to back. A record is one `os.writev` on a file opened for appending: a process
-killed at any instant leaves whole records plus at most one torn one at the end, which the reader
+arrays' bytes back to back. A record is written with `os.writev` (one call, or several for a record
+larger than one call takes) on a file opened for appending: a process killed at any instant leaves whole records plus at most one torn one at the end, which the reader
 drops (its operation was never acknowledged, so its caller sends it again). With ``fsync`` every
 record is also flushed to the device before the operation runs (durable against losing the
 machine, not only the process: needed when LOG_DIR is shared storage that another node replays).
 
-Tests: ``python -m pytest tests/ps/test_push_log.py -q``.
+Tests: ``python -m pytest tests/ps/test_replay.py -q``.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def encode_record(record: LogRecord) -> list[bytes | memoryview]:
     buffers: list[bytes | memoryview] = []
     payload = 0
     for key, array in record.arrays.items():
-        contiguous = np.ascontiguousarray(array)
+        contiguous = np.asarray(array)  # a 0-d array stays 0-d (np.ascontiguousarray makes it 1-d)
+        if not contiguous.flags.c_contiguous:
+            contiguous = contiguous.copy(order="C")
         if contiguous.dtype.hasobject:
             raise TypeError(f"push log: array {key!r} holds Python objects")
         layout.append([key, contiguous.dtype.str, list(contiguous.shape)])
@@ -231,9 +233,7 @@ class PushLog:
         start = time.perf_counter()
         buffers = encode_record(LogRecord(op, meta, arrays or {}))
         size = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
-        written = os.writev(self._fd, buffers)
-        if written != size:  # a short write on a regular file: disk full or a signal
-            raise PushLogError(f"{self.directory}: wrote {written} of {size} bytes (is the disk full?)")
+        _write_all(self._fd, buffers, size, self.directory)
         if self.fsync:
             os.fsync(self._fd)
         self.records_written += 1
@@ -252,6 +252,23 @@ class PushLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview], size: int, directory: Path) -> None:
+    """Write every buffer, in order, with as few writev calls as the kernel allows (one writev
+    writes at most about 2 GiB and IOV_MAX buffers; a full disk raises OSError)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    written = 0
+    while views:
+        done = os.writev(fd, views[:1024])
+        if done == 0:
+            raise PushLogError(f"{directory}: wrote {written} of {size} bytes (is the disk full?)")
+        written += done
+        while views and done >= views[0].nbytes:
+            done -= views[0].nbytes
+            views.pop(0)
+        if done:
+            views[0] = views[0][done:]
 
 
 def _fsync_directory(path: Path) -> None:

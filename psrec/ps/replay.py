@@ -37,6 +37,7 @@ import numpy as np
 
 from psrec.checkpoint import CheckpointRef
 from psrec.checkpoint.files import read_arrays, write_arrays
+from psrec.ps import bucket_move
 from psrec.ps.push_log import LogRecord, PushLog, PushLogError, Segment, latest_segment, segment_paths
 from psrec.ps.shard import ParameterShard, TableGradients
 from psrec.ps.shard_checkpoint import restore_shard
@@ -124,6 +125,7 @@ class LoggedShard:
         self._restored = 0.0  # when the checkpoint chain was loaded, during a recovery
         self._snapshot_files: set[str] = set()  # snapshot tags whose file holds the current snapshot
         self.bucket_map: list[int] | None = None  # the layout given at the last restore (None: as written)
+        self._imports: dict[str, int] = {}  # bucket moves imported since the segment's base: rows added
 
     # -- opening: fresh or recovered --------------------------------------------------------------
     @classmethod
@@ -207,6 +209,18 @@ class LoggedShard:
             return self.shard.push(
                 int(meta["trainer"]), int(meta["request"]), int(meta["step"]), _gradients(record)
             )
+        if record.op == "import":
+            added = bucket_move.add_bucket_rows(
+                self.shard, dict(record.arrays), num_buckets=int(meta["num_buckets"])
+            )
+            self._imports[meta["move"]] = added
+            self.bucket_map = None  # the shard's rows no longer follow the layout it was restored into
+            return added
+        if record.op == "drop":
+            self.bucket_map = None
+            return bucket_move.drop_buckets(self.shard, meta["buckets"], int(meta["num_buckets"]))
+        if record.op == "start_at":
+            return bucket_move.start_at(self.shard, int(meta["step"]))
         if record.op == "call":
             if meta["method"] == "save_snapshot":
                 self._snapshot_files.discard(meta["args"][0])
@@ -256,6 +270,24 @@ class LoggedShard:
             return getattr(self.shard, method)(*args)
         return self._logged(LogRecord("call", {"method": method, "args": list(args)}))
 
+    # -- bucket moves (`psrec.ps.bucket_move`): logged, so that a rebuilt shard has them too ----------
+    def import_buckets(self, arrays: dict[str, np.ndarray], *, num_buckets: int, move: str) -> int:
+        """Add the rows another shard exported (`bucket_move.add_bucket_rows`); `move` names the
+        move, so that an import sent again after a failure (it ran, its reply was lost) adds nothing."""
+        if move in self._imports:
+            return self._imports[move]
+        record = LogRecord("import", {"move": move, "num_buckets": num_buckets}, dict(arrays))
+        return int(self._logged(record))
+
+    def drop_buckets(self, buckets: list[int], *, num_buckets: int) -> int:
+        """Remove the rows of `buckets` (idempotent: a repeat finds none)."""
+        meta = {"buckets": [int(bucket) for bucket in buckets], "num_buckets": num_buckets}
+        return int(self._logged(LogRecord("drop", meta)))
+
+    def start_at(self, step: int) -> None:
+        """A shard added while training expects the pushes of `step` next."""
+        self._logged(LogRecord("start_at", {"step": int(step)}))
+
     def _logged(self, record: LogRecord) -> Any:
         size = self.log.append(record.op, record.meta, record.arrays)
         try:
@@ -286,6 +318,7 @@ class LoggedShard:
             "bucket_map": self.bucket_map,
         }
         self.log.start_segment(base)
+        self._imports.clear()  # a move finishes before the checkpoint that follows it
 
     def restore(self, chain: list[CheckpointRef], step: int, bucket_map: np.ndarray | None = None) -> None:
         """The driver's restore (a rollback or a resume): load the chain, then log on top of it.

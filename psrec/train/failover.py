@@ -90,7 +90,9 @@ class ShardFailover:
         return self.root / f"shard-{index}"
 
     def shard_options(self, index: int) -> dict[str, Any]:
-        """The `ShardActor` keyword arguments of shard `index`, about to be created with fresh tables."""
+        """The `ShardActor` keyword arguments of shard `index`, about to be created with fresh tables
+        (a log left by an earlier shard of that index, one a resharding removed, is dropped)."""
+        self.forget(index)
         prepare_fresh(self.shard_directory(index))
         return {"push_log": str(self.shard_directory(index)), "push_log_fsync": self.fsync}
 
@@ -103,12 +105,13 @@ class ShardFailover:
                 if path.name != RECOVERIES_FILE:
                     path.unlink(missing_ok=True)
 
-    def failovers(self, num_shards: int) -> list[dict[str, Any]]:
-        """Every shard rebuilt alone so far, oldest first: its index and recovery report."""
+    def failovers(self) -> list[dict[str, Any]]:
+        """Every shard rebuilt alone so far (a resharding may have removed it since), oldest first:
+        its index and recovery report."""
         found = [
-            {"shard": index, **report}
-            for index in range(num_shards)
-            for report in recoveries(self.shard_directory(index))
+            {"shard": int(directory.name.removeprefix("shard-")), **report}
+            for directory in self.root.glob("shard-*")
+            for report in recoveries(directory)
         ]
         return sorted(found, key=lambda report: report["started"])
 
@@ -131,18 +134,28 @@ def call_shards(shards: list[Any], method: str, *args: Any) -> list[Any]:
     """`ShardActor.<method>(*args)` on every shard, in parallel; a call that a restarting shard did
     not answer is sent again once it is back (these driver calls are idempotent)."""
     import ray
+
+    return list(ray.get(answered_refs([(shard, method, args) for shard in shards])))
+
+
+def answered_refs(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
+    """Each ``actor.<method>(*args)`` of `calls`, sent in parallel; returns, once every call has
+    answered, the refs of their answers (to pass on to other actors without fetching them). A call
+    that a restarting shard did not answer is sent again once it is back (the calls must be
+    idempotent); one to a shard dead for good raises `RayActorError`, any other error its own."""
+    import ray
     from ray.exceptions import RayActorError
 
-    refs = [getattr(shard, method).remote(*args) for shard in shards]
-    results: list[Any] = [None] * len(shards)
-    for index, shard in enumerate(shards):
+    refs = [getattr(actor, method).remote(*args) for actor, method, args in calls]
+    for index, (actor, method, args) in enumerate(calls):
         for attempt in range(RESEND_ATTEMPTS + 1):
             try:
-                results[index] = ray.get(refs[index])
+                ray.wait([refs[index]], fetch_local=False)
+                ray.get(refs[index])  # raises the call's error; a local answer is not copied
                 break
             except RayActorError as error:
-                if attempt == RESEND_ATTEMPTS or not restarting(shard, error):
+                if attempt == RESEND_ATTEMPTS or not restarting(actor, error):
                     raise
-                logger.warning("shard %d unavailable: sending %s again once it is back", index, method)
-                refs[index] = getattr(shard, method).remote(*args)
-    return results
+                logger.warning("shard unavailable: sending %s again once it is back", method)
+                refs[index] = getattr(actor, method).remote(*args)
+    return refs

@@ -401,9 +401,7 @@ class RayRuntime(RuntimeBase):
         return _answers(actor, timeout=timeout)
 
     def spend_restart(self) -> bool:
-        spent = self._failover_attempts + len(
-            self._failover.failovers(len(self.shards)) if self._failover else []
-        )
+        spent = self._failover_attempts + len(self._failover.failovers() if self._failover else [])
         if spent >= self.config.fault_tolerance.max_restarts:
             return False
         self._failover_attempts += 1
@@ -473,7 +471,7 @@ class RayRuntime(RuntimeBase):
             self._failover.committed(self.shards, ref)
 
     def failovers(self) -> list[dict[str, Any]]:
-        shards = self._failover.failovers(len(self.shards)) if self._failover is not None else []
+        shards = self._failover.failovers() if self._failover is not None else []
         return shards + self._trainer_failovers
 
     def failover_reports(self) -> list[dict[str, Any] | None]:

@@ -15,13 +15,17 @@ the trainers' chunks of steps) picks it up, checks it, and then, one round per s
 with the rounds done, the pause of each and a message) and keeps every request handled; the run's
 ``summary.json`` lists them under ``resharding``. ``RUN_DIR/driver.json`` names the training process
 while it runs (`psrec scale` refuses a run without one). The next checkpoint after a move is full;
-checkpoints restore into any shard count (`psrec.ps.reshard`). A failure during a move rolls the
-job back as any actor failure does, into the current layout, and the moves go on from there.
+checkpoints restore into any shard count (`psrec.ps.reshard`).
+
+A shard that dies during a resharding: with ``fault_tolerance.shard_failover`` it is rebuilt alone
+from its log, which holds the rows it imported and the buckets it dropped like any other change
+(`psrec.ps.replay`), and the driver's move calls are sent again once it is back (an import is named,
+so a repeat adds nothing); without it, or when the failover fails, the job rolls back as on any actor
+failure, into the layout of that moment, and the moves go on from there.
 
 Refused, with the reason in ``scale.json`` and nothing moved: a count below 1 or above
 ``ps.num_buckets``, a second request while one is in progress, an unreadable request, strategy
-``collective`` (the trainers hold the tables), ``fault_tolerance.shard_failover`` (a shard's log
-replays its own operations only), a count the Ray cluster has no CPUs for.
+``collective`` (the trainers hold the tables), a count the Ray cluster has no CPUs for.
 """
 
 from __future__ import annotations
@@ -178,22 +182,18 @@ def _write_json(path: storage.Location, value: dict[str, Any]) -> None:
 class _Settings:
     """The config fields a resharding depends on, from a RunConfig or the run's config.json."""
 
-    def __init__(self, strategy: str, shard_failover: bool, num_buckets: int) -> None:
+    def __init__(self, strategy: str, num_buckets: int) -> None:
         self.strategy = strategy
-        self.shard_failover = shard_failover
         self.num_buckets = num_buckets
 
     @classmethod
     def of(cls, config: RunConfig) -> _Settings:
-        # shard failover acts on Ray only: an in-process run reshards whatever the setting says
-        failover = config.fault_tolerance.shard_failover and config.ps.runtime == "ray"
-        return cls(config.ps.strategy, failover, config.ps.num_buckets)
+        return cls(config.ps.strategy, config.ps.num_buckets)
 
     @classmethod
     def of_json(cls, config: dict[str, Any]) -> _Settings:
-        ps, fault = config.get("ps", {}), config.get("fault_tolerance", {})
-        failover = bool(fault.get("shard_failover")) and ps.get("runtime") == "ray"
-        return cls(ps.get("strategy", "ps"), failover, int(ps.get("num_buckets", 1024)))
+        ps = config.get("ps", {})
+        return cls(ps.get("strategy", "ps"), int(ps.get("num_buckets", 1024)))
 
 
 def config_refusal(settings: _Settings) -> str | None:
@@ -202,12 +202,6 @@ def config_refusal(settings: _Settings) -> str | None:
         return (
             "strategy 'collective' keeps the tables in the trainers, not in shards: there are no shards "
             "to add or remove"
-        )
-    if settings.shard_failover:
-        return (
-            "fault_tolerance.shard_failover is on: a shard's log replays only its own operations, so its "
-            "buckets cannot move while training; turn shard_failover off to reshard live, or resume the "
-            "run with --set ps.num_shards=N"
         )
     return None
 

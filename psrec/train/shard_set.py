@@ -9,6 +9,7 @@ source actor to its destination through Ray's object store, not through the driv
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +18,7 @@ from psrec.ps import bucket_move
 from psrec.ps.bucket_move import BucketMove
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
+from psrec.train.failover import answered_refs
 
 
 class ShardSet(Protocol):
@@ -143,19 +145,23 @@ class RayShards:
         return True
 
     def adopt(self, step: int) -> None:
-        _get([shard.start_at.remote(step) for shard in self._starting])
+        _answers([(shard, "start_at", (step,)) for shard in self._starting])
         self.runtime.shards.extend(self._starting)
         self._starting, self._answers = [], []
 
     def move(self, moves: list[BucketMove], num_buckets: int) -> int:
         shards = self.runtime.shards
-        # each export goes from its source to its destination in the object store, not through here
-        exported = [shards[m.source].export_buckets.remote(list(m.buckets), num_buckets) for m in moves]
-        added = [
-            shards[m.destination].import_buckets.remote(rows, num_buckets)
+        # each export goes from its source to its destination in the object store, not through here;
+        # the exports are all answered before any import starts, so that a shard restarted meanwhile
+        # (shard failover) is sent again only its own call
+        exported = answered_refs(
+            [(shards[m.source], "export_buckets", (list(m.buckets), num_buckets)) for m in moves]
+        )
+        imports = [
+            (shards[m.destination], "import_buckets", (rows, num_buckets, uuid.uuid4().hex))
             for m, rows in zip(moves, exported, strict=True)
         ]
-        return int(sum(_get(added)))
+        return int(sum(_answers(imports)))
 
     def switch(self, bucket_map: np.ndarray, version: int) -> None:
         self.runtime._bucket_map, self.runtime._routing_version = bucket_map, version
@@ -165,7 +171,7 @@ class RayShards:
 
     def drop(self, moves: list[BucketMove], num_buckets: int) -> None:
         shards = self.runtime.shards
-        _get([shards[m.source].drop_buckets.remote(list(m.buckets), num_buckets) for m in moves])
+        _answers([(shards[m.source], "drop_buckets", (list(m.buckets), num_buckets)) for m in moves])
 
     def retire(self, count: int) -> None:
         import ray
@@ -186,6 +192,13 @@ def _get(refs: list[Any]) -> list[Any]:
     from psrec.train.runtime import _get as get_all
 
     return get_all(refs)
+
+
+def _answers(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
+    """The answers of shard calls that are sent again to a shard being rebuilt (shard failover)."""
+    import ray
+
+    return list(ray.get(answered_refs(calls)))
 
 
 def _check_versions(versions: list[int], version: int) -> None:

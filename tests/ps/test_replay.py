@@ -17,7 +17,8 @@ import pytest
 from psrec import checkpoint
 from psrec.checkpoint.policy import checkpoint_chain
 from psrec.embedding import AdmissionSpec, EmbeddingTable, InitializerSpec, SparseOptimizerSpec, TableSpec
-from psrec.ps.push_log import PushLogError, segment_paths
+from psrec.ps import bucket_move
+from psrec.ps.push_log import PushLog, PushLogError, read_segment, segment_paths
 from psrec.ps.replay import LoggedShard, prepare_fresh
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import write_shard_checkpoint
@@ -178,6 +179,46 @@ def test_a_shard_rebuilt_between_checkpoints_equals_the_one_never_lost(tmp_path:
     assert_same(twin.rebuild().shard, twin.oracle)
 
 
+def test_bucket_moves_are_replayed_and_a_repeated_import_adds_nothing(tmp_path: Path) -> None:
+    """Rows imported from another shard and buckets dropped (a resharding) are in the log: the
+    rebuilt shard has them, an import sent again after a failure adds nothing, and the full
+    checkpoint that follows a move starts a log that rebuilds the shard too."""
+    num_buckets = 8
+    other = ParameterShard(1, {spec.name: EmbeddingTable.from_spec(spec) for spec in SPECS})
+    for _ in range(2):  # twice: the min_count table admits the ids
+        other.pull({"t": np.arange(2000, 2040), "u": np.arange(3000, 3030)})
+    other.push(0, 0, 0, {"u": (np.arange(3000, 3030), np.ones((30, DIM), np.float32))})
+    twin = Twin(tmp_path)
+    twin.checkpoint(0, "full")
+    for step in range(3):
+        twin.step(step)
+    rows = bucket_move.bucket_rows(other, [1, 3], num_buckets)
+    added = bucket_move.add_bucket_rows(twin.oracle, rows, num_buckets=num_buckets)
+    assert added > 0
+    assert twin.logged.import_buckets(rows, num_buckets=num_buckets, move="m1") == added
+    assert twin.logged.import_buckets(rows, num_buckets=num_buckets, move="m1") == added  # a repeat
+    bucket_move.drop_buckets(twin.oracle, [2], num_buckets)
+    twin.logged.drop_buckets([2], num_buckets=num_buckets)
+    twin.step(3)
+    assert_same(twin.rebuild().shard, twin.oracle)
+    assert twin.logged.shard.needs_full_checkpoint
+    twin.logged.shard.needs_full_checkpoint = False  # the rebuilt shard knows a full checkpoint is due
+    assert twin.rebuild().shard.needs_full_checkpoint
+    twin.checkpoint(4, "full")
+    twin.step(4)
+    assert_same(twin.rebuild().shard, twin.oracle)
+
+
+def test_a_shard_added_while_training_replays_from_fresh_tables(tmp_path: Path) -> None:
+    twin = Twin(tmp_path)
+    bucket_move.start_at(twin.oracle, 5)
+    twin.logged.start_at(5)
+    twin.step(5)
+    rebuilt = twin.rebuild()
+    assert rebuilt.recovery is not None and rebuilt.recovery["base"] == "fresh"
+    assert_same(rebuilt.shard, twin.oracle)
+
+
 def test_a_sync_step_half_pushed_when_the_shard_died_completes_after_the_rebuild(tmp_path: Path) -> None:
     twin = Twin(tmp_path, num_trainers=2)
     twin.checkpoint(0, "full")
@@ -260,3 +301,22 @@ def test_a_process_that_cannot_see_the_log_refuses_fresh_tables(tmp_path: Path) 
     """A restarted shard on a node without the log must not start over with fresh tables."""
     with pytest.raises(PushLogError, match="fault_tolerance.push_log"):
         LoggedShard.open(new_shard(), tmp_path / "elsewhere")
+
+
+def test_a_record_of_more_buffers_than_one_write_takes_reads_back_whole(tmp_path: Path) -> None:
+    """An import of many tables and snapshot fields is one record of over IOV_MAX arrays, 0-d
+    string arrays among them: it is written whole and reads back with every shape and value."""
+    log = PushLog(tmp_path)
+    log.start_segment({"kind": "fresh"})
+    arrays = {f"t{i}/rows": np.full((3, 2), i, np.float32) for i in range(1500)}
+    arrays["t0/config"] = np.array('{"dim": 2}')
+    log.append("import", {"move": "m"}, arrays)
+    log.close()
+    ((_, path),) = segment_paths(tmp_path)
+    segment = read_segment(path)
+    assert segment.torn is None and len(segment.records) == 1
+    read = segment.records[0].arrays
+    assert read.keys() == arrays.keys()
+    for key, value in arrays.items():
+        assert read[key].shape == value.shape and read[key].dtype == value.dtype
+        np.testing.assert_array_equal(read[key], value)

@@ -1,11 +1,12 @@
-"""Changing the shard count of a Ray job while it trains, and a shard killed during a bucket move.
+"""Changing the shard count of a Ray job while it trains, and shards killed during bucket moves.
 
 The oracle is the same job on Ray, undisturbed, on 2 shards (sync mode): the job resharded
 2 -> 3 -> 1 must end with every table row, every dense weight and the validation metrics equal,
-bit for bit; so must the job whose new shard is SIGKILLed while buckets move to it (the driver
-rolls the job back to its last checkpoint, into the layout of that moment, and the moves go on).
-New shard actors are waited for at the first boundary after the request (`RayShards.ready`
-blocking), so the rounds land on known steps.
+bit for bit; so must the jobs whose shards are SIGKILLed while buckets move: with shard failover
+(the default) the dead shards are rebuilt from their logs, which hold the moves, and nothing rolls
+back; without it the driver rolls the job back to its last checkpoint, into the layout of that
+moment, and the moves go on. New shard actors are waited for at the first boundary after the
+request (`RayShards.ready` blocking), so the rounds land on known steps.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from tests.conftest import small_run_config
 STEPS = 40
 
 
-def ray_config(sources: dict[str, Any], run_dir: Path) -> Any:
+def ray_config(sources: dict[str, Any], run_dir: Path, *, failover: bool = True) -> Any:
     settings = {
         "ps.runtime": "ray",
         "checkpoint.every_steps": 20,
         "checkpoint.full_every": 2,
         "training.log_every_steps": 5,
         "training.max_steps": STEPS,
-        "fault_tolerance.shard_failover": False,  # live resharding needs failover off on Ray
+        "fault_tolerance.shard_failover": failover,
     }
     return small_run_config(sources, run_dir, **settings)
 
@@ -67,7 +68,8 @@ def assert_identical(run: tuple[Any, ...], reference: tuple[Any, ...]) -> None:
 def undisturbed(
     ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Any, ...]:
-    return finished(ray_config(synthetic_sources, tmp_path_factory.mktemp("undisturbed")), synthetic_sources)
+    config = ray_config(synthetic_sources, tmp_path_factory.mktemp("undisturbed"), failover=False)
+    return finished(config, synthetic_sources)
 
 
 @pytest.fixture
@@ -117,6 +119,53 @@ def test_a_ray_job_resharded_2_to_3_to_1_while_training_is_the_undisturbed_one(
 
 
 @pytest.mark.ray
+def test_shards_killed_during_bucket_moves_are_rebuilt_from_their_logs_without_a_rollback(
+    ray_cluster: None,
+    synthetic_sources: dict[str, Any],
+    undisturbed: tuple[Any, ...],
+    tmp_path: Path,
+    new_shards_waited_for: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shard failover on: the new shard 2 is SIGKILLed as round 2 of 2 -> 3 copies buckets into it
+    (its log holds round 1's import), and shard 1 right after it dropped round 2's buckets (its log
+    holds the drop); both are rebuilt in place, the calls they missed are sent again, nothing is
+    restored from the checkpoint and the model is the undisturbed one."""
+    import ray
+
+    move, drop, killed = RayShards.move, RayShards.drop, list[int]()
+
+    def kill(shard: Any) -> None:
+        killed.append(ray.get(shard.pid.remote(), timeout=30))
+        os.kill(killed[-1], signal.SIGKILL)
+
+    def move_into_a_dead_shard(self: RayShards, moves: list[Any], num_buckets: int) -> int:
+        if self.runtime._routing_version == 1 and not killed:  # round 1 done: this is round 2
+            kill(self.runtime.shards[2])
+        return move(self, moves, num_buckets)
+
+    def drop_and_die(self: RayShards, moves: list[Any], num_buckets: int) -> None:
+        drop(self, moves, num_buckets)
+        if self.runtime._routing_version == 2 and len(killed) == 1:
+            kill(self.runtime.shards[1])
+
+    monkeypatch.setattr(shard_set.RayShards, "move", move_into_a_dead_shard)
+    monkeypatch.setattr(shard_set.RayShards, "drop", drop_and_die)
+    requests = Requests(tmp_path)
+    run = finished(ray_config(synthetic_sources, tmp_path), synthetic_sources, requests)
+    assert len(killed) == 2
+    assert_identical(run, undisturbed)
+    summary = run[0]
+    assert summary["recoveries"] == []
+    rebuilt = [(f["shard"], f["operations_replayed"] > 0) for f in summary["failovers"]]
+    assert rebuilt == [(2, True), (1, True)]
+    handled = {entry["id"]: entry for entry in summary["resharding"]}
+    assert handled[requests.ids[3]]["state"] == handled[requests.ids[1]]["state"] == "done"
+    assert [r["step"] for r in handled[requests.ids[3]]["rounds"]] == [5, 10]
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == STEPS * 256
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_a_shard_killed_during_a_bucket_move_is_recovered_and_the_model_is_the_undisturbed_one(
     ray_cluster: None,
@@ -126,7 +175,8 @@ def test_a_shard_killed_during_a_bucket_move_is_recovered_and_the_model_is_the_u
     new_shards_waited_for: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The second round of 2 -> 3 copies buckets to shard 2, SIGKILLed as the copy starts."""
+    """Shard failover off: the second round of 2 -> 3 copies buckets to shard 2, SIGKILLed as the
+    copy starts; the job rolls back."""
     import ray
 
     move, killed = RayShards.move, list[int]()
@@ -140,7 +190,7 @@ def test_a_shard_killed_during_a_bucket_move_is_recovered_and_the_model_is_the_u
 
     monkeypatch.setattr(shard_set.RayShards, "move", move_into_a_dead_shard)
     requests = Requests(tmp_path)
-    run = finished(ray_config(synthetic_sources, tmp_path), synthetic_sources, requests)
+    run = finished(ray_config(synthetic_sources, tmp_path, failover=False), synthetic_sources, requests)
     assert killed
     assert_identical(run, undisturbed)
     summary = run[0]
