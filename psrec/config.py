@@ -201,6 +201,20 @@ class PlacementConfig(_Strict):
     trainer_node_resource: str | None = Field(None, min_length=1, description="the same for trainers")
 
 
+class AutoscaleConfig(_Strict):
+    """Shards added while training when the tables outgrow them (docs/fault_tolerance.md)."""
+
+    max_shard_memory_gb: float = Field(
+        gt=0,
+        description="a shard whose rows (payload, optimizer state, index and metadata of the rows it "
+        "holds in memory) take more than this many GiB: shards are added while training",
+    )
+    max_shards: int = Field(ge=1, description="never more shards than this")
+    fill: float = Field(
+        0.75, gt=0, le=1, description="after growing, each shard holds about this fraction of the limit"
+    )
+
+
 class PSConfig(_Strict):
     runtime: Literal["ray", "local"] = "ray"
     strategy: Literal["ps", "collective"] = Field(
@@ -229,6 +243,9 @@ class PSConfig(_Strict):
     pipeline: PipelineConfig | None = Field(
         None, description="split the dense model into pipeline stages over the trainers (SASRec, BST)"
     )
+    autoscale: AutoscaleConfig | None = Field(
+        None, description="add shards while training when a shard's rows pass a memory limit"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> PSConfig:
@@ -254,6 +271,16 @@ class PSConfig(_Strict):
                 f"num_shards={self.num_shards} is more than num_buckets={self.num_buckets}: "
                 "every shard needs at least one virtual bucket; raise ps.num_buckets or lower ps.num_shards"
             )
+        if self.autoscale is not None:
+            if self.strategy == "collective":
+                raise ValueError(
+                    "ps.autoscale adds PS shards; strategy 'collective' keeps the tables in the trainers"
+                )
+            if not self.num_shards <= self.autoscale.max_shards <= self.num_buckets:
+                raise ValueError(
+                    f"ps.autoscale.max_shards={self.autoscale.max_shards} must be between ps.num_shards="
+                    f"{self.num_shards} and ps.num_buckets={self.num_buckets}"
+                )
         if self.strategy == "collective" and self.mode != "sync":
             raise ValueError("strategy 'collective' supports mode 'sync' only")
         if self.strategy == "collective" and self.runtime == "local":

@@ -559,6 +559,13 @@ class EmbeddingTable:
             self._admission.pull_counter = int(delta.config["admission_pull_counter"])
 
     # ---------------------------------------------------------------------------------------- memory
+    def row_bytes(self) -> int:
+        """Bytes the rows held in memory take (payload, optimizer state, index entry and metadata
+        per row), without the capacity reserved for rows to come or left by rows removed."""
+        sizes = self.memory_bytes()
+        per_row = (sizes["total"] - sizes["admission"]) / max(self._index.row_capacity, 1)
+        return int(round(per_row * self._index.num_rows))
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held, including reserved-but-unused capacity."""
         sizes = {

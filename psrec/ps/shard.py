@@ -279,11 +279,12 @@ class ParameterShard:
         return out
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per table: rows, bytes in memory and, for a table with a disk tier, rows and bytes per tier
-        and the traffic between them (`TieredTable.tier_stats`). Counts only: they sum over shards."""
+        """Per table: rows, the bytes its rows in memory take (`EmbeddingTable.row_bytes`), bytes in
+        memory and, for a table with a disk tier, rows and bytes per tier and the traffic between them
+        (`TieredTable.tier_stats`). Counts only: they sum over shards."""
         stats = {}
         for name, table in self.tables.items():
-            stats[name] = {"rows": table.num_rows, **table.memory_bytes()}
+            stats[name] = {"rows": table.num_rows, "row_bytes": table.row_bytes(), **table.memory_bytes()}
             if isinstance(table, TieredTable):
                 stats[name].update(table.tier_stats())
         return stats

@@ -45,6 +45,7 @@ from psrec import storage
 from psrec.config import RunConfig
 from psrec.ps import bucket_move
 from psrec.ps.bucket_move import MoveError
+from psrec.train import autoscale
 from psrec.train.shard_set import shard_set
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,8 @@ class ScaleController:
     def __init__(self, run_dir: str, config: RunConfig, runtime: Any) -> None:
         self.root = storage.location(run_dir)
         self.settings = _Settings.of(config)
+        self.autoscale = config.ps.autoscale
+        self._at_limit_said = False
         self.shards = shard_set(runtime)
         self.runtime = runtime
         self.phase = Phase.IDLE
@@ -280,13 +283,48 @@ class ScaleController:
         path = self.root / REQUEST_FILE
         try:
             if not path.exists():
+                self._autoscale(step)
                 return
             text = path.read_text()
             path.unlink(missing_ok=True)
         except (OSError, storage.StorageError) as error:
             logger.warning("%s cannot be read: %s", path, error)
             return
-        request, problem = self._checked(text)
+        self._begin(step, *self._checked(text))
+
+    def _autoscale(self, step: int) -> None:
+        """``ps.autoscale``: grow when a shard's rows pass the limit (`psrec.train.autoscale`)."""
+        settings = self.autoscale
+        if settings is None or self.shards is None or config_refusal(self.settings) is not None:
+            return
+        decision = autoscale.decide(
+            self.shards.row_bytes(),
+            limit_bytes=settings.max_shard_memory_gb * autoscale.GIB,
+            max_shards=settings.max_shards,
+            fill=settings.fill,
+        )
+        if isinstance(decision, autoscale.AtLimit):
+            if not self._at_limit_said:
+                logger.warning("step %d: %s", step, decision.reason)
+                self._at_limit_said = True
+            return
+        if decision is None:
+            return
+        request = {
+            "id": f"auto-{uuid.uuid4().hex[:8]}",
+            "shards": decision.shards,
+            "buckets_per_round": DEFAULT_BUCKETS_PER_ROUND,
+            "requested_at": time.time(),
+            "requested_by": "ps.autoscale",
+            "reason": decision.reason,
+        }
+        logger.info("step %d: %s: resharding to %d shards", step, decision.reason, decision.shards)
+        problem = self.shards.capacity_error(decision.shards)
+        self._begin(step, request, problem)
+        if problem is not None:  # refused (scale.json says why): not asked again at every boundary
+            self.autoscale = None
+
+    def _begin(self, step: int, request: dict[str, Any], problem: str | None) -> None:
         self.current = {**request, "state": "accepted", "step": step, "rounds": []}
         if problem is not None:
             self._finish("refused", problem)

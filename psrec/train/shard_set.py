@@ -28,6 +28,8 @@ class ShardSet(Protocol):
 
     def capacity_error(self, count: int) -> str | None: ...
 
+    def row_bytes(self) -> list[int]: ...
+
     def start(self, count: int) -> None: ...
 
     def ready(self) -> bool: ...
@@ -57,6 +59,9 @@ class LocalShards:
 
     def capacity_error(self, count: int) -> str | None:
         return None
+
+    def row_bytes(self) -> list[int]:
+        return [_row_bytes(shard.stats()) for shard in self.runtime.shards]
 
     def start(self, count: int) -> None:
         config = self.runtime.config
@@ -131,6 +136,11 @@ class RayShards:
             )
         return None
 
+    def row_bytes(self) -> list[int]:
+        return [
+            _row_bytes(stats) for stats in _answers([(s, "call", ("stats",)) for s in self.runtime.shards])
+        ]
+
     def start(self, count: int) -> None:
         self._starting = [self.runtime._start_shard(index) for index in range(self.count(), count)]
         self._answers = [shard.pid.remote() for shard in self._starting]
@@ -186,6 +196,11 @@ class RayShards:
         for shard in self._starting:
             ray.kill(shard)
         self._starting, self._answers = [], []
+
+
+def _row_bytes(stats: dict[str, dict[str, int]]) -> int:
+    """The bytes a shard's rows take, over its tables (`ParameterShard.stats`)."""
+    return sum(int(table["row_bytes"]) for table in stats.values())
 
 
 def _get(refs: list[Any]) -> list[Any]:
