@@ -278,7 +278,11 @@ class RowStorage:
         }
 
     def assign(
-        self, rows: np.ndarray, payload: np.ndarray, scales: np.ndarray | None, offsets: np.ndarray | None
+        self,
+        rows: np.ndarray | slice,
+        payload: np.ndarray,
+        scales: np.ndarray | None,
+        offsets: np.ndarray | None,
     ) -> None:
         """Store already-encoded rows (from an exported state or delta)."""
         self.values[rows] = payload

@@ -200,11 +200,12 @@ class EmbeddingTable:
         """Initial rows as a stored row would read back (rounded to the storage precision)."""
         return self._storage.round_trip(initial_rows(ids, self.dim, self.initializer, self.seed), ids)
 
-    def _insert(self, ids: np.ndarray) -> np.ndarray:
-        """Rows of ``ids``, inserting and initialising the new ones."""
+    def _insert(self, ids: np.ndarray, *, initialise: bool = True) -> np.ndarray:
+        """Rows of ``ids``, inserting and (unless the caller writes every field of them) initialising
+        the new ones."""
         rows, inserted = self._index.insert(ids)
         self._sync_capacity()
-        if inserted.any():
+        if initialise and inserted.any():
             new_rows = rows[inserted]
             new_ids = ids[inserted]
             if self.precision == "fp32":  # straight into storage (an fp32 row stores as it is)
@@ -431,7 +432,8 @@ class EmbeddingTable:
             )
         return sketch
 
-    def _check_rows(self, record: TableState | TableDelta, what: str) -> None:
+    def _check_rows(self, record: TableState | TableDelta, what: str, *, unique: bool = True) -> None:
+        """Every array of `record` in its shape and dtype, and (with `unique`) no id twice."""
         count = record.ids.shape[0]
         self._check_ids(record.ids, f"{what} ids")
         dtype = PAYLOAD_DTYPES[self.precision]
@@ -461,11 +463,15 @@ class EmbeddingTable:
                         f"{what} {label} must be {np.dtype(array_dtype)} of shape {shape}, got {found}"
                     )
                 )
-        if np.unique(record.ids).shape[0] != count:
+        if unique and np.unique(record.ids).shape[0] != count:
             raise ValueError(self._message(f"{what} ids contain duplicates"))
 
     def _write_rows(self, record: TableState | TableDelta) -> None:
-        rows = self._insert(record.ids) if record.ids.shape[0] else np.zeros(0, dtype=np.int32)
+        # every field of the rows is written below: new rows need no initial values first
+        rows = self._insert(record.ids, initialise=False) if record.ids.shape[0] else np.zeros(0, np.int32)
+        self._assign_rows(rows, record)
+
+    def _assign_rows(self, rows: np.ndarray | slice, record: TableState | TableDelta) -> None:
         self._storage.assign(rows, record.rows, record.row_scale, record.row_offset)
         for name, array in record.optimizer_state.items():
             self._optimizer.state[name][rows] = array
@@ -476,11 +482,17 @@ class EmbeddingTable:
         """Replace the contents with ``state``; the table's own hyperparameters are kept except the
         learning rate, which is taken from the state (it may have been decayed)."""
         self._check_compatible(state.config, "state")
-        self._check_rows(state, "state")
+        self._check_rows(state, "state", unique=False)
         sketch = self._checked_sketch(state, "state")
+        # The new index, built before anything changes, finds a repeated id (no first occurrence)
+        # in one hashing pass (a sort of millions of ids costs seconds of a recovery).
+        index = HashIndex(initial_rows=state.ids.shape[0])
+        rows, inserted = index.insert(self._check_ids(state.ids, "state ids"))
+        if not inserted.all():
+            raise ValueError(self._message("state ids contain duplicates"))
         lr = float(state.config.get("optimizer", {}).get("lr", self.optimizer.lr))
         self.set_learning_rate(lr)
-        self._index = HashIndex(initial_rows=state.ids.shape[0])
+        self._index = index
         self._last_pull = None
         self._metadata = np.zeros((0, 2), dtype=np.uint32)
         self._storage = RowStorage(
@@ -489,7 +501,9 @@ class EmbeddingTable:
         self._optimizer = SparseOptimizer(self._optimizer.spec, self.dim)
         self._sync_capacity()
         self._clock = int(state.config.get("clock", 0))
-        self._write_rows(state)
+        # a new index numbers new ids in order: rows 0..n-1 are written as blocks, not row by row
+        count = state.ids.shape[0]
+        self._assign_rows(slice(0, count) if np.array_equal(rows, np.arange(count)) else rows, state)
         if sketch is not None:
             sketch[:] = 0 if state.admission_sketch is None else state.admission_sketch
         self._admission.pull_counter = int(state.config.get("admission_pull_counter", 0))

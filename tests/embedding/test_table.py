@@ -325,6 +325,19 @@ def test_import_rejects_incompatible_state_and_keeps_contents() -> None:
     assert_same_snapshot(snapshot(other), before)
 
 
+def test_import_rejects_a_state_with_a_repeated_id_and_keeps_contents() -> None:
+    table = _trained_table()
+    arrays = table.export_state().to_arrays()
+    arrays["ids"] = arrays["ids"].copy()
+    arrays["ids"][-1] = arrays["ids"][0]
+    same = make_table()
+    same.pull(np.array([1, 2], dtype=np.int64))
+    before = snapshot(same)
+    with pytest.raises(ValueError, match="state ids contain duplicates"):
+        same.import_state(TableState.from_arrays(arrays))
+    assert_same_snapshot(snapshot(same), before)
+
+
 def test_delta_holds_changed_and_removed_rows_and_replays_onto_a_copy() -> None:
     table = _trained_table()
     replica = make_table()
