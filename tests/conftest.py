@@ -1,8 +1,9 @@
-"""Shared fixtures: one embedded Ray cluster per test module, only for tests that ask for it."""
+"""Shared fixtures: an embedded Ray cluster, shared by the test modules that ask for it."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,21 +15,42 @@ SHARED_DATA = Path(
 )
 
 
+RAY_TEST_CPUS = 4
+_SHARED_RAY: dict[str, str] = {}  # the address of the embedded cluster `ray_cluster` started
+
+
+@pytest.fixture(scope="session")
+def _ray_session() -> Iterator[None]:
+    import ray
+
+    yield
+    if ray.is_initialized() and _SHARED_RAY.get("address") == ray.get_runtime_context().gcs_address:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A fresh embedded Ray cluster as psrec starts it (`start_ray(None)`: loopback only, token
-    authentication; never a stray cluster on the host), torn down after the module."""
+def ray_cluster(_ray_session: None) -> Iterator[None]:
+    """An embedded Ray cluster as psrec starts it (`start_ray(None)`: loopback only, token
+    authentication; never a stray cluster on the host). Modules share it (a start costs seconds):
+    one that shut Ray down or joined another cluster makes the next start a fresh one. A module
+    must leave no actor or placement group of its own behind (each runtime's shutdown removes them)."""
     import ray
 
     from psrec.train.cluster import start_ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and _SHARED_RAY.get("address") != ray.get_runtime_context().gcs_address:
         ray.shutdown()
-    start_ray(None, num_cpus=4, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    if not ray.is_initialized():
+        start_ray(None, num_cpus=RAY_TEST_CPUS, log_to_driver=False)
+        _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
+    yield
+    # A module that left actors holding CPUs behind: the next module gets a fresh cluster.
+    if ray.is_initialized() and _SHARED_RAY.get("address") == ray.get_runtime_context().gcs_address:
+        deadline = time.monotonic() + 10.0
+        while ray.available_resources().get("CPU", 0.0) < RAY_TEST_CPUS and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if ray.available_resources().get("CPU", 0.0) < RAY_TEST_CPUS:
+            ray.shutdown()
 
 
 def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:

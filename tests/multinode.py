@@ -33,6 +33,9 @@ KEEP_LOOPBACK = (
     "from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"
 )
 NODE_STOP_TIMEOUT_S = 20.0
+# `ray start --block` stops its node's processes on SIGTERM, but may take many seconds: a test cluster
+# needs no graceful end, so what is not gone by then is SIGKILLed with its process group.
+NODE_STOP_GRACE_S = 3.0
 
 
 def free_port(host: str) -> int:
@@ -179,7 +182,7 @@ class LocalRayCluster:
         for node in reversed(self.nodes):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(node.process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + NODE_STOP_TIMEOUT_S
+        deadline = time.monotonic() + NODE_STOP_GRACE_S
         for node in self.nodes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=max(0.1, deadline - time.monotonic()))

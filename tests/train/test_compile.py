@@ -1,7 +1,7 @@
 """`training.compile`: the compiled dense model trains like the eager one and keeps its state_dict keys.
 
-One test, since compiling even the tiny DLRM takes seconds (more on a cold inductor cache):
-``python -m pytest tests/train/test_compile.py -q``.
+One test, in the slow tier (``training.compile`` is off by default, and compiling even the tiny DLRM
+takes most of a minute on a cold inductor cache): ``python -m pytest tests/train/test_compile.py -m slow -q``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def _run(sources: dict[str, Any], run_dir: Path, *, compiled: bool) -> dict[str,
 
 # Importing inductor defines torch.utils.mkldnn's TorchScript modules, which warn on torch 2.13.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow
 def test_compiled_training_matches_eager(synthetic_sources: dict[str, Any], tmp_path: Path) -> None:
     eager = _run(synthetic_sources, tmp_path / "eager", compiled=False)
     graphs = counters["stats"]["unique_graphs"]
