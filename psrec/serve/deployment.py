@@ -271,14 +271,11 @@ def _large_tables(model_dir: str, manifest: dict[str, Any], options: ServeOption
     """The tables with more than ``options.shard_rows`` rows (none without it)."""
     if options.shard_rows is None:
         return []
-    from psrec.serve.model_dir import SERVING_FILE, ExportError, read_file_checked
+    from psrec.serve.model_dir import SERVING_FILE, read_file_checked
     from psrec.storage import location
 
     serving = json.loads(read_file_checked(location(model_dir), manifest, SERVING_FILE))
-    large = sorted(name for name, table in serving["tables"].items() if table["rows"] > options.shard_rows)
-    if large and options.follow is not None:
-        raise ExportError("--follow applies deltas inside the replicas: it cannot be used with --shard-rows")
-    return large
+    return sorted(name for name, table in serving["tables"].items() if table["rows"] > options.shard_rows)
 
 
 def _start_lookup_shards(model_dir: str, tables: list[str], options: ServeOptions) -> list[Any]:

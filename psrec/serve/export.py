@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -230,13 +231,31 @@ def apply_delta_files(
     return out
 
 
-def load_tables(chain: list[CheckpointRef], *, precision: str) -> dict[str, ServingTable]:
-    """The tables at the end of ``chain``, rounded once to ``precision``."""
+def load_tables(
+    chain: list[CheckpointRef], *, precision: str, names: Collection[str] | None = None
+) -> dict[str, ServingTable]:
+    """The tables at the end of ``chain`` (only ``names``, when given), rounded once to ``precision``."""
     shard_ids = read_manifest(chain[0])["shards"]
     loaded = load_chain(chain, shards=shard_ids)
-    tables = tables_from_full(loaded[0].shards, precision="fp32")
-    for data in loaded[1:]:
-        tables = apply_delta_files(tables, data.shards)
+    chain_files = [{s: only_tables(arrays, names) for s, arrays in data.shards.items()} for data in loaded]
+    return tables_of_chain(chain_files, precision=precision)
+
+
+def only_tables(arrays: dict[str, np.ndarray], names: Collection[str] | None) -> dict[str, np.ndarray]:
+    """A shard file's arrays of the tables ``names`` (all of them for None)."""
+    if names is None:
+        return arrays
+    return {key: value for key, value in arrays.items() if key.partition("/")[0] in names}
+
+
+def tables_of_chain(
+    chain_files: list[dict[int, dict[str, np.ndarray]]], *, precision: str
+) -> dict[str, ServingTable]:
+    """The tables of a chain's shard files (a full checkpoint's, then each delta's), rounded once to
+    ``precision``."""
+    tables = tables_from_full(chain_files[0], precision="fp32")
+    for delta_files in chain_files[1:]:
+        tables = apply_delta_files(tables, delta_files)
     if precision == "fp32":
         return tables
     return {

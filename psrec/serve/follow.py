@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,10 +33,10 @@ from psrec.checkpoint.format import CheckpointError
 from psrec.checkpoint.load import load_checkpoint
 from psrec.checkpoint.manifest import scan
 from psrec.checkpoint.policy import CheckpointRef
-from psrec.serve.export import apply_delta_files, chain_to, load_tables, version_of
+from psrec.serve.export import apply_delta_files, chain_to, load_tables, only_tables, version_of
 from psrec.serve.model_dir import ExportError
 from psrec.serve.scoring import ModelVersion, ServingModel
-from psrec.serve.tables import ServingTable
+from psrec.serve.sharded import ShardedTable, prepare_version
 from psrec.storage import StorageError, StoragePath, location
 
 logger = logging.getLogger(__name__)
@@ -128,20 +129,33 @@ class DeltaFollower:
 
     def _build(self, current: ModelVersion, step: FollowStep, refs: list[CheckpointRef]) -> ModelVersion:
         ref = step.ref
-        data = load_checkpoint(ref)  # verifies every file of the checkpoint first
-        tables: dict[str, ServingTable]
-        if step.as_delta:
-            tables = apply_delta_files(current.tables, data.shards)  # new rows at the serving precision
+        info = version_of(ref)
+        held_by_replica: dict[str, Any] = current.tables  # ServingTable, or ShardedTable (lookup shards)
+        sharded = {name: t for name, t in held_by_replica.items() if isinstance(t, ShardedTable)}
+        local = sorted(set(current.tables) - set(sharded))
+        # verifies every file read first; a rebuild with lookup shards leaves their tables to them
+        data = load_checkpoint(ref, shards=[] if sharded and not step.as_delta else None)
+        held = {key.partition("/")[0] for arrays in data.shards.values() for key in arrays}
+        if data.shards and held != set(current.tables):
+            raise ExportError(f"{ref.name} holds tables {sorted(held)}, the export {sorted(current.tables)}")
+        tables: dict[str, Any] = {}
+        if step.as_delta:  # new rows at the serving precision
+            own = {index: only_tables(arrays, local) for index, arrays in data.shards.items()}
+            tables.update(apply_delta_files({name: current.tables[name] for name in local}, own))
         else:
-            tables = load_tables(chain_to(ref, refs), precision=self.model.precision)
-        if set(tables) != set(current.tables):
-            raise ExportError(
-                f"{ref.name} holds tables {sorted(tables)}, the export {sorted(current.tables)}"
-            )
+            tables.update(load_tables(chain_to(ref, refs), precision=self.model.precision, names=local))
         programs = {
             name: reweighted(program, data.dense["model"]) for name, program in current.programs.items()
         }
-        info = version_of(ref)
+        # the lookup shards last: a version they hold before the replica swaps costs only memory
+        tables.update(
+            prepare_version(
+                sharded,
+                info["label"],
+                base=current.label if step.as_delta else None,
+                refs=[ref] if step.as_delta else chain_to(ref, refs),
+            )
+        )
         return ModelVersion(label=info["label"], info=info, tables=tables, programs=programs)
 
     # -- background thread ---------------------------------------------------------------------
