@@ -158,6 +158,7 @@ class RayShards:
         _answers([(shard, "start_at", (step,)) for shard in self._starting])
         self.runtime.shards.extend(self._starting)
         self._starting, self._answers = [], []
+        self.runtime._report_placement()  # summary.json's placement names the new shards' nodes
 
     def move(self, moves: list[BucketMove], num_buckets: int) -> int:
         shards = self.runtime.shards
@@ -189,6 +190,7 @@ class RayShards:
         for shard in self.runtime.shards[count:]:
             ray.kill(shard)
         del self.runtime.shards[count:]
+        self.runtime._report_placement()
 
     def abandon(self) -> None:
         import ray

@@ -109,6 +109,7 @@ def test_a_ray_job_resharded_2_to_3_to_1_while_training_is_the_undisturbed_one(
     assert_identical(run, undisturbed)
     summary = run[0]
     assert summary["recoveries"] == []
+    assert len(summary["placement"]["shards"]) == 1  # the placement report follows the shard count
     handled = {entry["id"]: entry for entry in summary["resharding"]}
     grow, shrink = handled[requests.ids[3]], handled[requests.ids[1]]
     assert grow["state"] == shrink["state"] == "done"
