@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,19 @@ RAY_TEST_CPUS = 4
 _SHARED_RAY: dict[str, str] = {}  # the address of the embedded cluster `ray_cluster` started
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test of another module that does not ask for `ray_cluster` finds no shared cluster running
+    in this process (it may start Ray its own way, or check that nothing started it)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not _SHARED_RAY.get("address") or "ray_cluster" in getattr(item, "fixturenames", ()):
+        return
+    if getattr(item, "module", None) is not None and item.module.__name__ == _SHARED_RAY.get("module"):
+        return  # the module that uses the cluster: it stays up for the module's other tests
+    if ray.is_initialized() and _SHARED_RAY["address"] == ray.get_runtime_context().gcs_address:
+        ray.shutdown()
+    _SHARED_RAY.clear()
+
+
 @pytest.fixture(scope="session")
 def _ray_session() -> Iterator[None]:
     import ray
@@ -29,11 +43,12 @@ def _ray_session() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(_ray_session: None) -> Iterator[None]:
+def ray_cluster(_ray_session: None, request: pytest.FixtureRequest) -> Iterator[None]:
     """An embedded Ray cluster as psrec starts it (`start_ray(None)`: loopback only, token
-    authentication; never a stray cluster on the host). Modules share it (a start costs seconds):
-    one that shut Ray down or joined another cluster makes the next start a fresh one. A module
-    must leave no actor or placement group of its own behind (each runtime's shutdown removes them)."""
+    authentication; never a stray cluster on the host). Modules that follow each other share it (a
+    start costs seconds): one that shut Ray down, joined another cluster or left CPUs held makes the
+    next start a fresh one, and a test of another module that does not ask for it shuts it down
+    first (`pytest_runtest_setup`)."""
     import ray
 
     from psrec.train.cluster import start_ray
@@ -43,6 +58,7 @@ def ray_cluster(_ray_session: None) -> Iterator[None]:
     if not ray.is_initialized():
         start_ray(None, num_cpus=RAY_TEST_CPUS, log_to_driver=False)
         _SHARED_RAY["address"] = ray.get_runtime_context().gcs_address
+    _SHARED_RAY["module"] = request.module.__name__
     yield
     # A module that left actors holding CPUs behind: the next module gets a fresh cluster.
     if ray.is_initialized() and _SHARED_RAY.get("address") == ray.get_runtime_context().gcs_address:
