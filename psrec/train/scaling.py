@@ -22,6 +22,10 @@ Refused, with the reason in ``scale.json`` and nothing moved: a count below 1 or
 ``ps.num_buckets``, a second request while one is in progress, an unreadable request, strategy
 ``collective`` (the trainers hold the tables), ``fault_tolerance.shard_failover`` (a shard's log
 replays its own operations only), a count the Ray cluster has no CPUs for.
+
+A request may carry ``"trainers": N`` (``psrec scale RUN_DIR --trainers N``), alone or with
+``"shards"``: the trainer count changes first (`psrec.train.trainer_scaling`, state ``starting``
+while added trainers start), then the shards move.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from psrec import storage
 from psrec.config import RunConfig
 from psrec.ps import bucket_move
 from psrec.ps.bucket_move import MoveError
+from psrec.train import trainer_scaling
 from psrec.train.shard_set import shard_set
 
 logger = logging.getLogger(__name__)
@@ -62,17 +67,29 @@ class Phase(enum.Enum):
     IDLE = "idle"
     STARTING = "starting"
     MOVING = "moving"
+    TRAINERS = "trainers"  # a trainer count changes first (`psrec.train.trainer_scaling`)
 
 
 # -- the CLI side ------------------------------------------------------------------------------------
 def request_scale(
-    run_dir: str, shards: int, *, buckets_per_round: int = DEFAULT_BUCKETS_PER_ROUND
+    run_dir: str,
+    shards: int | None = None,
+    *,
+    trainers: int | None = None,
+    buckets_per_round: int = DEFAULT_BUCKETS_PER_ROUND,
 ) -> dict[str, Any]:
-    """Ask the driver training in `run_dir` to change its shard count to `shards`; the request written.
+    """Ask the driver training in `run_dir` to change its shard count to `shards` and / or its
+    trainer count to `trainers`; the request written.
 
     Raises `ScaleError` (naming the value and what to do) when no driver trains there, when its
-    config cannot reshard, when `shards` is outside [1, ps.num_buckets], or when a request is
-    already waiting or in progress."""
+    config cannot reshard (or change trainers), when `shards` is outside [1, ps.num_buckets] or
+    `trainers` below 1, or when a request is already waiting or in progress."""
+    if shards is None and trainers is None:
+        raise ScaleError("give the new count: --shards N, --trainers N or both")
+    wanted = _describe({"shards": shards, "trainers": trainers})
+    setting = " ".join(
+        f"--set ps.num_{key}={value}" for key, value in (("shards", shards), ("trainers", trainers)) if value
+    )
     root = storage.location(run_dir)
     config = _read_json(root / "config.json", what="the run's config")
     if config is None:
@@ -81,40 +98,46 @@ def request_scale(
     if driver is None:
         raise ScaleError(
             f"{run_dir}: no training is running there (no {DRIVER_FILE}; a finished or stopped run has "
-            "none). To train on another shard count, resume it: psrec train CONFIG --resume "
-            f"{run_dir} --set ps.num_shards={shards}"
+            f"none). To train with {wanted}, resume it: psrec train CONFIG --resume {run_dir} {setting}"
         )
     if driver.get("host") == socket.gethostname() and not _alive(int(driver.get("pid", -1))):
         raise ScaleError(
             f"{run_dir}: the driver that trained it (pid {driver.get('pid')}) is not running any more; "
-            f"resume the run with --set ps.num_shards={shards}"
+            f"resume the run with {setting}"
         )
     refusal = config_refusal(_Settings.of_json(config))
+    if refusal is None and trainers is not None:
+        refusal = trainer_scaling.refusal_of_json(config)
     if refusal:
         raise ScaleError(f"{run_dir}: {refusal}")
-    try:
-        bucket_move.check_shard_count(shards, int(config["ps"]["num_buckets"]))
-    except MoveError as error:
-        raise ScaleError(f"--shards {shards}: {error}") from None
+    if shards is not None:
+        try:
+            bucket_move.check_shard_count(shards, int(config["ps"]["num_buckets"]))
+        except MoveError as error:
+            raise ScaleError(f"--shards {shards}: {error}") from None
+    if trainers is not None:
+        problem = trainer_scaling.count_error(trainers, current=0, free_cpus=None, cpus_per_trainer=0)
+        if problem:
+            raise ScaleError(f"--trainers {trainers}: {problem}")
     if isinstance(buckets_per_round, bool) or not isinstance(buckets_per_round, int) or buckets_per_round < 1:
         raise ScaleError(f"--buckets-per-round must be an integer >= 1, got {buckets_per_round!r}")
     waiting = _read_json(root / REQUEST_FILE, what="the waiting request")
     if waiting is not None:
         raise ScaleError(
-            f"{run_dir}: request {waiting.get('id')} (to {waiting.get('shards')} shards) waits for the "
+            f"{run_dir}: request {waiting.get('id')} (to {_describe(waiting)}) waits for the "
             "driver already; wait until scale.json says done or refused, then ask again"
         )
     status = _read_json(root / STATUS_FILE, what="the scale status")
     current = (status or {}).get("current") or {}
     if current.get("state") in ("accepted", "starting", "moving"):
         raise ScaleError(
-            f"{run_dir}: resharding to {current.get('shards')} shards is in progress "
-            f"({current.get('state')}, {current.get('buckets_left')} buckets left): wait until scale.json "
-            "says done, then ask again"
+            f"{run_dir}: scaling to {_describe(current)} is in progress ({current.get('state')}, "
+            f"{current.get('buckets_left')} buckets left): wait until scale.json says done, then ask again"
         )
-    request = {
+    request: dict[str, Any] = {
         "id": uuid.uuid4().hex[:12],
-        "shards": shards,
+        **({"shards": shards} if shards is not None else {}),
+        **({"trainers": trainers} if trainers is not None else {}),
         "buckets_per_round": buckets_per_round,
         "requested_at": time.time(),
     }
@@ -129,12 +152,23 @@ def wait_for(run_dir: str, request_id: str, *, timeout: float) -> dict[str, Any]
     while time.monotonic() < deadline:
         status = _read_json(root / STATUS_FILE, what="the scale status") or {}
         for entry in [status.get("current") or {}, *status.get("history", [])]:
-            if entry.get("id") == request_id and entry.get("state") in ("done", "refused", "stopped"):
+            if entry.get("id") == request_id and entry.get("state") in (
+                "done",
+                "refused",
+                "stopped",
+                "failed",
+            ):
                 return entry
         time.sleep(0.2)
     raise ScaleError(
         f"{run_dir}: request {request_id} not finished after {timeout:.0f} s (see {STATUS_FILE})"
     )
+
+
+def _describe(request: dict[str, Any]) -> str:
+    """ "3 shards", "2 trainers" or "3 shards, 2 trainers": what a request asks for."""
+    parts = [f"{request[key]} {key}" for key in ("shards", "trainers") if request.get(key) is not None]
+    return ", ".join(parts) or "nothing"
 
 
 def _alive(pid: int) -> bool:
@@ -221,6 +255,7 @@ class ScaleController:
     def __init__(self, run_dir: str, config: RunConfig, runtime: Any) -> None:
         self.root = storage.location(run_dir)
         self.settings = _Settings.of(config)
+        self.trainer_refusal = trainer_scaling.refusal_of(config)
         self.shards = shard_set(runtime)
         self.runtime = runtime
         self.phase = Phase.IDLE
@@ -228,6 +263,7 @@ class ScaleController:
         self.history: list[dict[str, Any]] = []
         self._target: np.ndarray | None = None
         self._started_at = 0.0
+        self._trainers: trainer_scaling.TrainerChange | None = None
 
     # -- the driver's file ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -241,11 +277,11 @@ class ScaleController:
         """The run is over: a resharding still going on stops here (the model is whole at every
         boundary), and the driver's file goes."""
         if self.current is not None and self.phase is not Phase.IDLE:
-            self._finish(
-                "stopped", f"the run ended with {self.current.get('buckets_left')} buckets left to move"
-            )
+            self._finish("stopped", f"the run ended before scaling to {_describe(self.current)} was done")
         if self.shards is not None:
             self.shards.abandon()
+        if self._trainers is not None:
+            self._trainers.abandon()
         try:
             (self.root / DRIVER_FILE).unlink(missing_ok=True)
         except (OSError, storage.StorageError) as error:
@@ -259,6 +295,10 @@ class ScaleController:
     def poll(self, step: int) -> bool:
         if self.phase is Phase.IDLE:
             self._take_request(step)
+        if self.phase is Phase.TRAINERS:
+            self._refuse_waiting()
+            if not self._trainers_round(step):
+                return False
         if self.phase is Phase.STARTING:
             assert self.shards is not None
             try:
@@ -297,9 +337,74 @@ class ScaleController:
         if problem is not None:
             self._finish("refused", problem)
             return
+        if request.get("trainers") is not None:
+            self._begin_trainers(step)
+        else:
+            self._begin_shards(step)
+
+    def _begin_trainers(self, step: int) -> None:
+        assert self.current is not None
+        count, wanted = len(self.runtime.trainers), int(self.current["trainers"])
+        self.current.update(from_trainers=count, accepted_at=time.time(), state="starting")
+        logger.info("step %d: %d -> %d trainers (request %s)", step, count, wanted, self.current["id"])
+        self._trainers = trainer_scaling.TrainerChange(self.runtime, wanted)
+        self._trainers.start()
+        self._started_at = time.monotonic()
+        self.phase = Phase.TRAINERS
+        self._write_status()
+
+    def _trainers_round(self, step: int) -> bool:
+        """Switch the trainers at this boundary once the added ones answer; True when the request
+        goes on with its shards in the same call."""
+        change, current = self._trainers, self.current
+        assert change is not None and current is not None
+        try:
+            ready = change.ready()
+        except Exception as error:  # noqa: BLE001 - an added trainer that died while starting
+            change.abandon()
+            self._trainers = None
+            self._finish("refused", f"an added trainer failed to start: {error}")
+            return False
+        if not ready:
+            if time.monotonic() - self._started_at > trainer_scaling.START_TIMEOUT_S:
+                change.abandon()
+                self._trainers = None
+                self._finish(
+                    "refused",
+                    f"the added trainers did not start within {trainer_scaling.START_TIMEOUT_S:.0f} s",
+                )
+            return False
+        current["start_seconds"] = time.monotonic() - self._started_at  # request -> trainers answer
+        try:
+            current["switch"] = {"step": step, **change.switch()}
+        except BaseException:
+            change.abandon()
+            self._trainers = None
+            self._finish(
+                "failed", "the trainers failed while switching: the run rolls back to its last checkpoint"
+            )
+            raise
+        self._trainers = None
+        logger.info(
+            "step %d: training on %d trainers (%.3f s pause)",
+            step,
+            change.count,
+            current["switch"]["seconds"],
+        )
+        if current.get("shards") is None:
+            self._finish("done", None)
+            return False
+        self.phase = Phase.IDLE
+        self._begin_shards(step)
+        return True
+
+    def _begin_shards(self, step: int) -> None:
+        assert self.current is not None
+        request = self.current
         assert self.shards is not None
         count, wanted = self.shards.count(), int(request["shards"])
-        self.current.update(from_shards=count, shards=wanted, accepted_at=time.time())
+        self.current.update(from_shards=count, shards=wanted)
+        self.current.setdefault("accepted_at", time.time())
         self._target = bucket_move.balanced_map(self.runtime.bucket_map(), wanted)
         self.current["buckets_left"] = int(np.count_nonzero(self._target != self.runtime.bucket_map()))
         logger.info("step %d: resharding %d -> %d shards (request %s)", step, count, wanted, request["id"])
@@ -322,10 +427,14 @@ class ScaleController:
             return {"id": None}, f"{where} is not JSON ({error}): write it with psrec scale"
         if not isinstance(request, dict):
             return {"id": None}, f"{where} is not a JSON object: write it with psrec scale"
+        if request.get("shards") is None and request.get("trainers") is None:
+            return request, f"{where}: give shards, trainers or both: write it with psrec scale"
         refusal = config_refusal(self.settings)
-        if refusal is None and self.shards is None:
+        if refusal is None and request.get("trainers") is not None:
+            refusal = self.trainer_refusal or self._trainer_count_error(request)
+        if refusal is None and self.shards is None and request.get("shards") is not None:
             refusal = "this runtime cannot change its shard count while training"
-        if refusal is not None:
+        if refusal is not None or request.get("shards") is None:
             return request, refusal
         try:
             wanted = bucket_move.check_shard_count(request.get("shards"), self.settings.num_buckets)
@@ -336,6 +445,23 @@ class ScaleController:
             return request, f"{where}: buckets_per_round must be an integer >= 1, got {per_round!r}"
         assert self.shards is not None
         return request, self.shards.capacity_error(wanted)
+
+    def _trainer_count_error(self, request: dict[str, Any]) -> str | None:
+        """Why the request's trainer count cannot be had (the CPUs of added shards counted too)."""
+        import ray
+
+        ps = self.runtime.config.ps
+        free = float(ray.available_resources().get("CPU", 0.0))
+        shards = request.get("shards")
+        if isinstance(shards, int) and not isinstance(shards, bool) and self.shards is not None:
+            free -= max(0, shards - self.shards.count()) * ps.shard_resources.num_cpus
+        error = trainer_scaling.count_error(
+            request.get("trainers"),
+            current=len(self.runtime.trainers),
+            free_cpus=free,
+            cpus_per_trainer=ps.trainer_resources.num_cpus,
+        )
+        return None if error is None else f"{self.root / REQUEST_FILE}: {error}"
 
     def _refuse_waiting(self) -> None:
         """A request that arrives while another is carried out is refused (nothing of it is done)."""
@@ -352,8 +478,7 @@ class ScaleController:
             {
                 **(request if isinstance(request, dict) else {}),
                 "state": "refused",
-                "message": f"resharding to {self.current['shards']} shards is in progress: ask again once "
-                "it is done",
+                "message": f"scaling to {_describe(self.current)} is in progress: ask again once it is done",
             }
         )
         self._write_status()
@@ -402,7 +527,9 @@ class ScaleController:
         self.current.update(state=state, finished_at=time.time())
         if message is not None:
             self.current["message"] = message
-            logger.warning("scale request %s refused: %s", self.current.get("id"), message)
+            logger.warning("scale request %s %s: %s", self.current.get("id"), state, message)
+        elif self.current.get("shards") is None:
+            logger.info("training on %d trainers", self.current["trainers"])
         else:
             rounds = self.current["rounds"]
             logger.info(

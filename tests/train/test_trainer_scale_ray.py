@@ -1,0 +1,121 @@
+"""Changing the trainer count of a Ray job while it trains (`psrec scale RUN_DIR --trainers N`).
+
+Oracle for the model: the same job checkpointed at the step of the change and resumed from that
+checkpoint with ``ps.num_trainers`` set to the new count, undisturbed: both must end with every
+table row and every dense weight equal, bit for bit. Oracle for the data: the row ids consumed,
+counted by the driver from every trainer's batches, are the training set's rows (24,000), each once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from psrec.train.loop import train
+from psrec.train.scaling import STATUS_FILE, request_scale
+from tests.conftest import small_run_config
+
+CHANGE_AT = 10  # the step at which the count changes (a checkpoint step)
+TRAIN_ROWS = 24_000
+
+
+def config_of(sources: dict[str, Any], run_dir: Path, *, trainers: int, mode: str, **overrides: Any) -> Any:
+    settings = {
+        "ps.runtime": "ray",
+        "ps.num_trainers": trainers,
+        "ps.mode": mode,
+        "checkpoint.every_steps": CHANGE_AT,
+        "checkpoint.full_every": 2,
+        "training.log_every_steps": 5,
+        "training.shuffle_buffer": 1000,
+        "fault_tolerance.shard_failover": False,  # changing trainers live needs it off on Ray
+        **overrides,
+    }
+    return small_run_config({"train": sources["train"]}, run_dir, **settings)
+
+
+def finished(config: Any, sources: dict[str, Any], progress: Any = None, resume: bool | None = None) -> Any:
+    from psrec.train.runtime import RayRuntime
+
+    runtime = RayRuntime(config, base_dir=".", data_sources={"train": sources["train"]})
+    try:
+        summary = train(config, runtime=runtime, progress=progress, resume=resume)
+        return summary, runtime.dense_states()[0], runtime.table_rows(), runtime.num_trainers
+    finally:
+        runtime.shutdown()
+
+
+class ChangeAt:
+    """Progress callback: ask for `trainers` trainers once step CHANGE_AT is done."""
+
+    def __init__(self, run_dir: Path, trainers: int) -> None:
+        self.run_dir, self.trainers = run_dir, trainers
+        self.request: str | None = None
+
+    def __call__(self, report: dict[str, Any]) -> None:
+        if report["step"] == CHANGE_AT and self.request is None:
+            self.request = request_scale(str(self.run_dir), trainers=self.trainers)["id"]
+
+
+def assert_same_model(run: Any, reference: Any) -> None:
+    for name, value in reference[1].items():
+        torch.testing.assert_close(run[1][name], value, rtol=0, atol=0, msg=name)
+    assert run[2].keys() == reference[2].keys()
+    for table, (ids, values) in reference[2].items():
+        np.testing.assert_array_equal(run[2][table][0], ids, err_msg=table)
+        np.testing.assert_array_equal(run[2][table][1], values, err_msg=table)
+
+
+def changed_and_resumed(
+    sources: dict[str, Any], tmp_path: Path, *, before: int, after: int, mode: str
+) -> tuple[Any, Any, ChangeAt]:
+    live_dir, resumed_dir = tmp_path / "live", tmp_path / "resumed"
+    change = ChangeAt(live_dir, after)
+    live = finished(config_of(sources, live_dir, trainers=before, mode=mode), sources, change)
+    # the oracle: stop at the change's step (a checkpoint), resume undisturbed with the new count
+    finished(
+        config_of(sources, resumed_dir, trainers=before, mode=mode, **{"training.max_steps": CHANGE_AT}),
+        sources,
+    )
+    resumed = finished(config_of(sources, resumed_dir, trainers=after, mode=mode), sources, resume=True)
+    return live, resumed, change
+
+
+def check_change(live: Any, change: ChangeAt, *, before: int, after: int) -> dict[str, Any]:
+    summary = live[0]
+    assert live[3] == after
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == TRAIN_ROWS  # each row once
+    entry = next(e for e in summary["resharding"] if e["id"] == change.request)
+    assert entry["state"] == "done", entry
+    assert (entry["from_trainers"], entry["trainers"], entry["switch"]["step"]) == (before, after, CHANGE_AT)
+    assert summary["recoveries"] == []
+    return entry
+
+
+@pytest.mark.ray
+def test_two_trainers_to_one_at_a_step_is_the_run_resumed_there_with_one(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    live, resumed, change = changed_and_resumed(synthetic_sources, tmp_path, before=2, after=1, mode="sync")
+    check_change(live, change, before=2, after=1)
+    assert_same_model(live, resumed)
+    assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
+    assert json.loads((tmp_path / "live" / STATUS_FILE).read_text())["current"] is None
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_trainer_to_two_at_a_step_is_the_run_resumed_there_with_two(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path, mode: str
+) -> None:
+    live, resumed, change = changed_and_resumed(synthetic_sources, tmp_path, before=1, after=2, mode=mode)
+    check_change(live, change, before=1, after=2)
+    if mode == "sync":  # async pushes land in arrival order: only the data is exact
+        assert_same_model(live, resumed)
+    assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
