@@ -1,7 +1,7 @@
 """Changing the trainer count of a Ray job while it trains (`psrec scale RUN_DIR --trainers N`).
 
-Oracle for the model: the same job checkpointed at the step of the change and resumed from that
-checkpoint with ``ps.num_trainers`` set to the new count, undisturbed: both must end with every
+Oracle for the model: the job's own checkpoint of the step of the change (written before the change)
+resumed with ``ps.num_trainers`` set to the new count, undisturbed: both must end with every
 table row and every dense weight equal, bit for bit. Oracle for the data: the row ids consumed,
 counted by the driver from every trainer's batches, are the training set's rows (24,000), each once.
 """
@@ -9,6 +9,7 @@ counted by the driver from every trainer's batches, are the training set's rows 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from psrec import checkpoint
 from psrec.train.loop import train
 from psrec.train.scaling import STATUS_FILE, request_scale
+from psrec.train.trainer_scaling import TrainerChange
 from tests.conftest import small_run_config
 
-CHANGE_AT = 10  # the step at which the count changes (a checkpoint step)
+CHANGE_AT = 6  # the step at which the count changes (a checkpoint step)
 TRAIN_ROWS = 24_000
 
 
@@ -30,8 +33,10 @@ def config_of(sources: dict[str, Any], run_dir: Path, *, trainers: int, mode: st
         "ps.num_trainers": trainers,
         "ps.mode": mode,
         "checkpoint.every_steps": CHANGE_AT,
-        "checkpoint.full_every": 2,
-        "training.log_every_steps": 5,
+        "checkpoint.full_every": 1,
+        "checkpoint.keep_last": 100,  # the change's checkpoint stays, for the oracle
+        "training.log_every_steps": 3,
+        "training.batch_size": 512,
         "training.shuffle_buffer": 1000,
         "fault_tolerance.shard_failover": False,  # changing trainers live needs it off on Ray
         **overrides,
@@ -48,6 +53,19 @@ def finished(config: Any, sources: dict[str, Any], progress: Any = None, resume:
         return summary, runtime.dense_states()[0], runtime.table_rows(), runtime.num_trainers
     finally:
         runtime.shutdown()
+
+
+@pytest.fixture
+def added_trainers_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added trainers are waited for at the first boundary after the request (the switch lands on
+    a known step; training would otherwise go on until they answer)."""
+    import ray
+
+    def ready(self: TrainerChange) -> bool:
+        ray.get(self._answers, timeout=120)
+        return True
+
+    monkeypatch.setattr(TrainerChange, "ready", ready)
 
 
 class ChangeAt:
@@ -77,12 +95,16 @@ def changed_and_resumed(
     live_dir, resumed_dir = tmp_path / "live", tmp_path / "resumed"
     change = ChangeAt(live_dir, after)
     live = finished(config_of(sources, live_dir, trainers=before, mode=mode), sources, change)
-    # the oracle: stop at the change's step (a checkpoint), resume undisturbed with the new count
-    finished(
-        config_of(sources, resumed_dir, trainers=before, mode=mode, **{"training.max_steps": CHANGE_AT}),
-        sources,
-    )
+    # the oracle: the live run's checkpoint of the change's step (written before the change, by the
+    # undisturbed job), resumed undisturbed with the new count
+    shutil.copytree(live_dir, resumed_dir)
+    for ref in checkpoint.list_checkpoints(resumed_dir):
+        if ref.step > CHANGE_AT:
+            shutil.rmtree(ref.path)
+    for name in ("summary.json", STATUS_FILE):
+        (resumed_dir / name).unlink()
     resumed = finished(config_of(sources, resumed_dir, trainers=after, mode=mode), sources, resume=True)
+    assert resumed[0]["resumed_from"]["step"] == CHANGE_AT
     return live, resumed, change
 
 
@@ -112,7 +134,11 @@ def test_two_trainers_to_one_at_a_step_is_the_run_resumed_there_with_one(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_one_trainer_to_two_at_a_step_is_the_run_resumed_there_with_two(
-    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path, mode: str
+    ray_cluster: None,
+    synthetic_sources: dict[str, Any],
+    tmp_path: Path,
+    mode: str,
+    added_trainers_waited_for: None,
 ) -> None:
     live, resumed, change = changed_and_resumed(synthetic_sources, tmp_path, before=1, after=2, mode=mode)
     check_change(live, change, before=1, after=2)
