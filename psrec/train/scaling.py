@@ -131,8 +131,9 @@ def request_scale(
     current = (status or {}).get("current") or {}
     if current.get("state") in ("accepted", "starting", "moving"):
         raise ScaleError(
-            f"{run_dir}: scaling to {_describe(current)} is in progress ({current.get('state')}, "
-            f"{current.get('buckets_left')} buckets left): wait until scale.json says done, then ask again"
+            f"{run_dir}: {_change(current)} is in progress ({current.get('state')}"
+            + (f", {current['buckets_left']} buckets left" if current.get("buckets_left") is not None else "")
+            + "): wait until scale.json says done, then ask again"
         )
     request: dict[str, Any] = {
         "id": uuid.uuid4().hex[:12],
@@ -169,6 +170,13 @@ def _describe(request: dict[str, Any]) -> str:
     """ "3 shards", "2 trainers" or "3 shards, 2 trainers": what a request asks for."""
     parts = [f"{request[key]} {key}" for key in ("shards", "trainers") if request.get(key) is not None]
     return ", ".join(parts) or "nothing"
+
+
+def _change(request: dict[str, Any]) -> str:
+    """ "resharding to 3 shards", "changing to 2 trainers" or "scaling to 3 shards, 2 trainers"."""
+    if request.get("trainers") is None:
+        return f"resharding to {_describe(request)}"
+    return f"{'changing' if request.get('shards') is None else 'scaling'} to {_describe(request)}"
 
 
 def _alive(pid: int) -> bool:
@@ -277,7 +285,7 @@ class ScaleController:
         """The run is over: a resharding still going on stops here (the model is whole at every
         boundary), and the driver's file goes."""
         if self.current is not None and self.phase is not Phase.IDLE:
-            self._finish("stopped", f"the run ended before scaling to {_describe(self.current)} was done")
+            self._finish("stopped", f"the run ended before {_change(self.current)} was done")
         if self.shards is not None:
             self.shards.abandon()
         if self._trainers is not None:
@@ -478,7 +486,7 @@ class ScaleController:
             {
                 **(request if isinstance(request, dict) else {}),
                 "state": "refused",
-                "message": f"scaling to {_describe(self.current)} is in progress: ask again once it is done",
+                "message": f"{_change(self.current)} is in progress: ask again once it is done",
             }
         )
         self._write_status()
