@@ -16,6 +16,10 @@ permutes it the same way and drops the rows already delivered: exactly the remai
 shard, in the same order. Without shuffling a window is simply each table read, and the position is
 the last row delivered.
 
+When the number of readers changes in the middle of an epoch, `psrec.data.shares.redistribute`
+deals the rows not read yet to the new readers: each then reads an explicit share (parts: unit
+lists with their own shuffle key and start), carried in its positions, so a checkpoint resumes it.
+
 A `PreparedCache` passed to every epoch's reader keeps the prepared tables of each unit read whole
 (decoded, hashed, transformed: everything before the shuffle), so later epochs skip the format
 reader and `prepare_table`, as tf.data's `cache()` does; windows, shuffles, batches and positions are
