@@ -357,48 +357,29 @@ class ScaleController:
         logger.info("step %d: %d -> %d trainers (request %s)", step, count, wanted, self.current["id"])
         self._trainers = trainer_scaling.TrainerChange(self.runtime, wanted)
         self._trainers.start()
-        self._started_at = time.monotonic()
         self.phase = Phase.TRAINERS
         self._write_status()
 
     def _trainers_round(self, step: int) -> bool:
-        """Switch the trainers at this boundary once the added ones answer; True when the request
-        goes on with its shards in the same call."""
+        """The trainer change at this boundary (`TrainerChange.advance`); True when the request goes
+        on with its shards in the same call."""
         change, current = self._trainers, self.current
         assert change is not None and current is not None
         try:
-            ready = change.ready()
-        except Exception as error:  # noqa: BLE001 - an added trainer that died while starting
-            change.abandon()
-            self._trainers = None
-            self._finish("refused", f"an added trainer failed to start: {error}")
-            return False
-        if not ready:
-            if time.monotonic() - self._started_at > trainer_scaling.START_TIMEOUT_S:
-                change.abandon()
-                self._trainers = None
-                self._finish(
-                    "refused",
-                    f"the added trainers did not start within {trainer_scaling.START_TIMEOUT_S:.0f} s",
-                )
-            return False
-        current["start_seconds"] = time.monotonic() - self._started_at  # request -> trainers answer
-        try:
-            current["switch"] = {"step": step, **change.switch()}
+            outcome, detail = change.advance(step)
         except BaseException:
-            change.abandon()
             self._trainers = None
             self._finish(
                 "failed", "the trainers failed while switching: the run rolls back to its last checkpoint"
             )
             raise
+        if outcome == "waiting":
+            return False
         self._trainers = None
-        logger.info(
-            "step %d: training on %d trainers (%.3f s pause)",
-            step,
-            change.count,
-            current["switch"]["seconds"],
-        )
+        if isinstance(detail, str):
+            self._finish("refused", detail)
+            return False
+        current.update(detail or {})
         if current.get("shards") is None:
             self._finish("done", None)
             return False
@@ -439,7 +420,8 @@ class ScaleController:
             return request, f"{where}: give shards, trainers or both: write it with psrec scale"
         refusal = config_refusal(self.settings)
         if refusal is None and request.get("trainers") is not None:
-            refusal = self.trainer_refusal or self._trainer_count_error(request)
+            shards = self.shards.count() if self.shards is not None else 0
+            refusal = self.trainer_refusal or trainer_scaling.capacity_error(self.runtime, request, shards)
         if refusal is None and self.shards is None and request.get("shards") is not None:
             refusal = "this runtime cannot change its shard count while training"
         if refusal is not None or request.get("shards") is None:
@@ -453,23 +435,6 @@ class ScaleController:
             return request, f"{where}: buckets_per_round must be an integer >= 1, got {per_round!r}"
         assert self.shards is not None
         return request, self.shards.capacity_error(wanted)
-
-    def _trainer_count_error(self, request: dict[str, Any]) -> str | None:
-        """Why the request's trainer count cannot be had (the CPUs of added shards counted too)."""
-        import ray
-
-        ps = self.runtime.config.ps
-        free = float(ray.available_resources().get("CPU", 0.0))
-        shards = request.get("shards")
-        if isinstance(shards, int) and not isinstance(shards, bool) and self.shards is not None:
-            free -= max(0, shards - self.shards.count()) * ps.shard_resources.num_cpus
-        error = trainer_scaling.count_error(
-            request.get("trainers"),
-            current=len(self.runtime.trainers),
-            free_cpus=free,
-            cpus_per_trainer=ps.trainer_resources.num_cpus,
-        )
-        return None if error is None else f"{self.root / REQUEST_FILE}: {error}"
 
     def _refuse_waiting(self) -> None:
         """A request that arrives while another is carried out is refused (nothing of it is done)."""

@@ -101,6 +101,25 @@ def count_error(count: Any, *, current: int, free_cpus: float | None, cpus_per_t
     return None
 
 
+def capacity_error(runtime: Any, request: dict[str, Any], shards: int) -> str | None:
+    """Why the trainer count of `request` cannot be had on `runtime`'s Ray cluster now (the CPUs of
+    the shards it adds counted first; `shards`: the shard count now), or None."""
+    import ray
+
+    ps = runtime.config.ps
+    free = float(ray.available_resources().get("CPU", 0.0))
+    wanted_shards = request.get("shards")
+    if isinstance(wanted_shards, int) and not isinstance(wanted_shards, bool):
+        free -= max(0, wanted_shards - shards) * ps.shard_resources.num_cpus
+    error = count_error(
+        request.get("trainers"),
+        current=len(runtime.trainers),
+        free_cpus=free,
+        cpus_per_trainer=ps.trainer_resources.num_cpus,
+    )
+    return None if error is None else f"scale request trainers: {error}"
+
+
 def dealt_states(states: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
     """`count` trainers' states (step, epoch, reader position) that go on where the trainers at
     `states` stood, the rest of their epoch dealt to them (`psrec.data.shares.redistribute`)."""
@@ -128,8 +147,8 @@ def dealt_states(states: list[dict[str, Any]], count: int) -> list[dict[str, Any
 
 
 class TrainerChange:
-    """One change of a `RayRuntime`'s trainer count (see the module docstring): `start`, then `ready`
-    at each boundary until it is, then `switch` there."""
+    """One change of a `RayRuntime`'s trainer count (see the module docstring): `start`, then
+    `advance` at each boundary until it has switched (or refused)."""
 
     def __init__(self, runtime: Any, count: int) -> None:
         self.runtime = runtime
@@ -137,9 +156,11 @@ class TrainerChange:
         self.config = with_trainers(runtime.config, count)
         self._starting: list[Any] = []
         self._answers: list[Any] = []
+        self._started_at = time.monotonic()
 
     def start(self) -> None:
         """Start the added trainers' actors (growing); does not wait for them."""
+        self._started_at = time.monotonic()
         first = len(self.runtime.trainers)
         self._starting = [
             self.runtime.start_trainer(index, self.config) for index in range(first, self.count)
@@ -154,6 +175,31 @@ class TrainerChange:
             return False
         ray.get(done)  # a trainer that failed to start raises here
         return True
+
+    def advance(self, step: int) -> tuple[str, dict[str, Any] | str | None]:
+        """At a step boundary: ("waiting", None) while the added trainers start, ("refused", why) when
+        they fail or time out (they are killed), else switch here: ("switched", what to report).
+        A failure during the switch kills the trainers not switched to and raises."""
+        try:
+            ready = self.ready()
+        except Exception as error:  # noqa: BLE001 - an added trainer that died while starting
+            self.abandon()
+            return "refused", f"an added trainer failed to start: {error}"
+        if not ready:
+            if time.monotonic() - self._started_at <= START_TIMEOUT_S:
+                return "waiting", None
+            self.abandon()
+            return "refused", f"the added trainers did not start within {START_TIMEOUT_S:.0f} s"
+        report: dict[str, Any] = {"start_seconds": time.monotonic() - self._started_at}  # request -> answer
+        try:
+            report["switch"] = {"step": step, **self.switch()}
+        except BaseException:
+            self.abandon()
+            raise
+        logger.info(
+            "step %d: training on %d trainers (%.3f s pause)", step, self.count, report["switch"]["seconds"]
+        )
+        return "switched", report
 
     def switch(self) -> dict[str, Any]:
         """At a step boundary: deal the data, stop the trainers left over, give every trainer of the

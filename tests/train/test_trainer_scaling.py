@@ -119,8 +119,8 @@ class NeverReady:
     def start(self) -> None:
         NeverReady.started.append(self.count)
 
-    def ready(self) -> bool:
-        return False
+    def advance(self, step: int) -> tuple[str, None]:
+        return "waiting", None
 
     def abandon(self) -> None:
         pass
