@@ -105,7 +105,7 @@ def request_scale(
             f"{run_dir}: the driver that trained it (pid {driver.get('pid')}) is not running any more; "
             f"resume the run with {setting}"
         )
-    refusal = config_refusal(_Settings.of_json(config))
+    refusal = config_refusal(_Settings.of_json(config)) if shards is not None else None
     if refusal is None and trainers is not None:
         refusal = trainer_scaling.refusal_of_json(config)
     if refusal:
@@ -418,7 +418,7 @@ class ScaleController:
             return {"id": None}, f"{where} is not a JSON object: write it with psrec scale"
         if request.get("shards") is None and request.get("trainers") is None:
             return request, f"{where}: give shards, trainers or both: write it with psrec scale"
-        refusal = config_refusal(self.settings)
+        refusal = config_refusal(self.settings) if request.get("shards") is not None else None
         if refusal is None and request.get("trainers") is not None:
             shards = self.shards.count() if self.shards is not None else 0
             refusal = self.trainer_refusal or trainer_scaling.capacity_error(self.runtime, request, shards)
