@@ -20,6 +20,7 @@ import torch
 from psrec import checkpoint
 from psrec.train.loop import train
 from psrec.train.scaling import STATUS_FILE, request_scale
+from psrec.train.shard_set import RayShards
 from psrec.train.trainer_scaling import TrainerChange
 from tests.conftest import small_run_config
 
@@ -69,15 +70,15 @@ def added_trainers_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class ChangeAt:
-    """Progress callback: ask for `trainers` trainers once step CHANGE_AT is done."""
+    """Progress callback: ask for `trainers` trainers (and `shards` shards) once step CHANGE_AT is done."""
 
-    def __init__(self, run_dir: Path, trainers: int) -> None:
-        self.run_dir, self.trainers = run_dir, trainers
+    def __init__(self, run_dir: Path, trainers: int, shards: int | None = None) -> None:
+        self.run_dir, self.trainers, self.shards = run_dir, trainers, shards
         self.request: str | None = None
 
     def __call__(self, report: dict[str, Any]) -> None:
         if report["step"] == CHANGE_AT and self.request is None:
-            self.request = request_scale(str(self.run_dir), trainers=self.trainers)["id"]
+            self.request = request_scale(str(self.run_dir), self.shards, trainers=self.trainers)["id"]
 
 
 def assert_same_model(run: Any, reference: Any) -> None:
@@ -89,21 +90,30 @@ def assert_same_model(run: Any, reference: Any) -> None:
         np.testing.assert_array_equal(run[2][table][1], values, err_msg=table)
 
 
+def copy_until(source: Path, destination: Path, step: int) -> Path:
+    """A copy of run directory `source` as it was at checkpoint `step` (later checkpoints removed)."""
+    shutil.copytree(source, destination)
+    for ref in checkpoint.list_checkpoints(destination):
+        if ref.step > step:
+            shutil.rmtree(ref.path)
+    for name in ("summary.json", STATUS_FILE):
+        (destination / name).unlink()
+    return destination
+
+
 def changed_and_resumed(
-    sources: dict[str, Any], tmp_path: Path, *, before: int, after: int, mode: str
+    sources: dict[str, Any], tmp_path: Path, *, before: int, after: int, mode: str, shards: int | None = None
 ) -> tuple[Any, Any, ChangeAt]:
-    live_dir, resumed_dir = tmp_path / "live", tmp_path / "resumed"
-    change = ChangeAt(live_dir, after)
+    live_dir = tmp_path / "live"
+    change = ChangeAt(live_dir, after, shards)
     live = finished(config_of(sources, live_dir, trainers=before, mode=mode), sources, change)
     # the oracle: the live run's checkpoint of the change's step (written before the change, by the
     # undisturbed job), resumed undisturbed with the new count
-    shutil.copytree(live_dir, resumed_dir)
-    for ref in checkpoint.list_checkpoints(resumed_dir):
-        if ref.step > CHANGE_AT:
-            shutil.rmtree(ref.path)
-    for name in ("summary.json", STATUS_FILE):
-        (resumed_dir / name).unlink()
-    resumed = finished(config_of(sources, resumed_dir, trainers=after, mode=mode), sources, resume=True)
+    resumed_dir = copy_until(live_dir, tmp_path / "resumed", CHANGE_AT)
+    layout = {"ps.num_shards": shards} if shards is not None else {}
+    resumed = finished(
+        config_of(sources, resumed_dir, trainers=after, mode=mode, **layout), sources, resume=True
+    )
     assert resumed[0]["resumed_from"]["step"] == CHANGE_AT
     return live, resumed, change
 
@@ -145,3 +155,54 @@ def test_one_trainer_to_two_at_a_step_is_the_run_resumed_there_with_two(
     if mode == "sync":  # async pushes land in arrival order: only the data is exact
         assert_same_model(live, resumed)
     assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_trainers_and_shards_changed_together_are_the_run_resumed_with_both(
+    ray_cluster: None,
+    synthetic_sources: dict[str, Any],
+    tmp_path: Path,
+    added_trainers_waited_for: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1 -> 2 trainers and 2 -> 3 shards in one request: the trainers switch, then the buckets move."""
+    import ray
+
+    def ready(self: RayShards) -> bool:  # the new shard is waited for too: the move lands on step 6
+        ray.get(self._answers, timeout=120)
+        return True
+
+    monkeypatch.setattr(RayShards, "ready", ready)
+    live, resumed, change = changed_and_resumed(
+        synthetic_sources, tmp_path, before=1, after=2, mode="sync", shards=3
+    )
+    entry = check_change(live, change, before=1, after=2)
+    assert (entry["from_shards"], entry["shards"], entry["rounds"][0]["step"]) == (2, 3, CHANGE_AT)
+    assert_same_model(live, resumed)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_checkpoint_written_after_the_change_resumes_into_any_trainer_count(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """2 -> 1 at step 6; the checkpoint of step 12 holds one trainer's share of the epoch. Resumed
+    with 1 trainer it ends with the live run's model; resumed with 2, each row is still consumed once."""
+    live_dir = tmp_path / "live"
+    change = ChangeAt(live_dir, 1)
+    live = finished(
+        config_of(synthetic_sources, live_dir, trainers=2, mode="sync"), synthetic_sources, change
+    )
+    check_change(live, change, before=2, after=1)
+    after = 2 * CHANGE_AT
+    for trainers in (1, 2):
+        run_dir = copy_until(live_dir, tmp_path / f"resumed-{trainers}", after)
+        ref = next(r for r in checkpoint.list_checkpoints(run_dir) if r.step == after)
+        assert len(checkpoint.load_checkpoint(ref, shards=[]).trainers) == 1  # the new count is recorded
+        config = config_of(synthetic_sources, run_dir, trainers=trainers, mode="sync")
+        resumed = finished(config, synthetic_sources, resume=True)
+        assert resumed[0]["resumed_from"]["step"] == after and resumed[3] == trainers
+        assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
+        if trainers == 1:  # an exact resume of the live run
+            assert_same_model(resumed, live)
