@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         "scale",
         help="change the shard and / or trainer count of a job while it trains",
         description="Change the PS shard count and / or the trainer count of a job while it trains "
-        "(strategy ps on Ray). Trainers change at a step boundary: the rows not yet trained on in the "
-        "epoch are dealt to the new trainers, each row once; a step is then N trainers' batches "
-        "(global batch = training.batch_size x N). See docs/fault_tolerance.md.",
+        "(strategy ps; trainers on Ray only, without a pipeline, with fault_tolerance.shard_failover "
+        "off). Trainers change at a step boundary: the rows not yet trained on in the epoch are dealt "
+        "to the new trainers, each row once; a step is then N trainers' batches (global batch = "
+        "training.batch_size x N). See docs/fault_tolerance.md.",
     )
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the training job")
     scale.add_argument("--shards", type=int, default=None, help="the new number of PS shards")
