@@ -212,3 +212,16 @@ def test_dealt_states_open_readers_that_read_the_rows_left_once(synthetic_source
     assert dealt_states(states, 2) is states  # the same count: untouched
     with pytest.raises(ValueError, match="different steps"):
         dealt_states([states[0], {**states[1], "step": 9}], 1)
+
+
+def test_the_trainer_count_is_part_of_the_resume_fingerprint_only_where_it_shapes_the_state(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    def fingerprint(**overrides: Any) -> str:
+        return small_run_config(synthetic_sources, tmp_path, **ray_settings(**overrides)).fingerprint()
+
+    assert fingerprint(**{"ps.num_trainers": 1}) == fingerprint(**{"ps.num_trainers": 3})
+    collective = {"ps.strategy": "collective"}
+    assert fingerprint(**collective, **{"ps.num_trainers": 1}) != fingerprint(
+        **collective, **{"ps.num_trainers": 2}
+    )
