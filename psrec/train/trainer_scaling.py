@@ -54,8 +54,7 @@ def config_refusal(*, runtime: str, strategy: str, pipeline: bool, shard_failove
         )
     if strategy == "collective":
         return (
-            "strategy 'collective' partitions the tables over the trainers: resume the run with "
-            "--set ps.num_trainers=N instead"
+            "strategy 'collective' partitions the tables over the trainers: their count is fixed for the run"
         )
     if pipeline:
         return "ps.pipeline splits the dense model over a fixed number of trainers: the count cannot change"
