@@ -31,9 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     parallel_commands.register(subparsers)
     bench_commands.register(subparsers)
     serve_commands.register(subparsers)
-    scale = subparsers.add_parser("scale", help="change the shard count of a job while it trains")
+    scale = subparsers.add_parser(
+        "scale",
+        help="change the shard and / or trainer count of a job while it trains",
+        description="Change the PS shard count and / or the trainer count of a job while it trains "
+        "(strategy ps; trainers on Ray only, without a pipeline, with fault_tolerance.shard_failover "
+        "off). Trainers change at a step boundary: the rows not yet trained on in the epoch are dealt "
+        "to the new trainers, each row once; a step is then N trainers' batches (global batch = "
+        "training.batch_size x N). See docs/fault_tolerance.md.",
+    )
     scale.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of the training job")
-    scale.add_argument("--shards", type=int, required=True, help="the new number of PS shards")
+    scale.add_argument("--shards", type=int, default=None, help="the new number of PS shards")
+    scale.add_argument("--trainers", type=int, default=None, help="the new number of trainers")
     scale.add_argument(
         "--buckets-per-round", type=int, default=64, help="virtual buckets moved per step boundary"
     )
@@ -43,14 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    """`psrec scale RUN_DIR --shards N`: write the request the driver picks up between steps."""
+    """`psrec scale RUN_DIR [--shards N] [--trainers N]`: write the request the driver picks up
+    between steps."""
     import json
 
     from psrec.train.scaling import ScaleError, request_scale, wait_for
 
     try:
-        request = request_scale(args.run_dir, args.shards, buckets_per_round=args.buckets_per_round)
-        print(f"request {request['id']}: {args.shards} shards, written to {args.run_dir}/scale-request.json")
+        request = request_scale(
+            args.run_dir, args.shards, trainers=args.trainers, buckets_per_round=args.buckets_per_round
+        )
+        asked = ", ".join(f"{request[key]} {key}" for key in ("shards", "trainers") if key in request)
+        print(f"request {request['id']}: {asked}, written to {args.run_dir}/scale-request.json")
         if args.wait <= 0:
             return 0
         entry = wait_for(args.run_dir, request["id"], timeout=args.wait)

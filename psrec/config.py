@@ -480,12 +480,13 @@ class RunConfig(_Strict):
         for table in [embedding["default"], *embedding["tables"].values()]:
             if table is not None:
                 table.pop("storage", None)
-        # ps.num_shards may change: a checkpoint restores into any shard count (psrec.ps.reshard)
-        data["ps"] = {
-            k: v
-            for k, v in data["ps"].items()
-            if k in ("num_buckets", "num_trainers", "strategy", "sharding", "pipeline")
-        }
+        # ps.num_shards may change: a checkpoint restores into any shard count (psrec.ps.reshard);
+        # so may ps.num_trainers under strategy "ps" without a pipeline: the rest of the epoch's
+        # data is dealt to the new trainers (psrec.data.shares)
+        kept = ["num_buckets", "strategy", "sharding", "pipeline"]
+        if data["ps"]["strategy"] != "ps" or data["ps"]["pipeline"] is not None:
+            kept.append("num_trainers")
+        data["ps"] = {k: v for k, v in data["ps"].items() if k in kept}
         return data
 
     def fingerprint(self) -> str:

@@ -16,6 +16,10 @@ permutes it the same way and drops the rows already delivered: exactly the remai
 shard, in the same order. Without shuffling a window is simply each table read, and the position is
 the last row delivered.
 
+When the number of readers changes in the middle of an epoch, `psrec.data.shares.redistribute`
+deals the rows not read yet to the new readers: each then reads an explicit share (parts: unit
+lists with their own shuffle key and start), carried in its positions, so a checkpoint resumes it.
+
 A `PreparedCache` passed to every epoch's reader keeps the prepared tables of each unit read whole
 (decoded, hashed, transformed: everything before the shuffle), so later epochs skip the format
 reader and `prepare_table`, as tf.data's `cache()` does; windows, shuffles, batches and positions are
@@ -53,6 +57,7 @@ from psrec.data.batch import Batch
 from psrec.data.errors import BadRows, Tally
 from psrec.data.features import ROW_ID, is_prepared, prepare_table, table_to_batch
 from psrec.data.schema import DataSource, Schema
+from psrec.data.shares import START_KEYS, standard_units, zero_start
 from psrec.data.units import OFFSET_MASK, Unit, expand_paths, local_files, shard_units
 from psrec.storage import Location
 
@@ -104,14 +109,41 @@ class _Window:
     end: tuple[int, int | None]
     shuffled: bool
     unit: int = 0  # unshuffled windows come from one unit
+    part: int = 0  # the part of the reader's share (`psrec.data.shares`) the window is of
+    skip: int = 0  # rows at its start delivered before (a resumed window)
 
     def position_after(self, consumed: int) -> dict[str, Any]:
+        """Where the reader stands after `consumed` rows of this window; ``end_unit`` is the unit the
+        window ends in while some of its rows are still to come (`psrec.data.shares` splits there)."""
+        part = {"part": self.part}
         if consumed >= self.table.num_rows:
-            return {"window": self.index + 1, "unit": self.end[0], "after": self.end[1], "consumed": 0}
+            unit = self.end[0]
+            return {
+                "window": self.index + 1,
+                "unit": unit,
+                "after": self.end[1],
+                "consumed": 0,
+                "end_unit": unit,
+                **part,
+            }
         if self.shuffled:
-            return {"window": self.index, "unit": self.start[0], "after": self.start[1], "consumed": consumed}
+            return {
+                "window": self.index,
+                "unit": self.start[0],
+                "after": self.start[1],
+                "consumed": consumed,
+                "end_unit": self.end[0],
+                **part,
+            }
         last = int(self.table.column(ROW_ID)[consumed - 1].as_py()) & OFFSET_MASK
-        return {"window": self.index, "unit": self.unit, "after": last, "consumed": 0}
+        return {
+            "window": self.index,
+            "unit": self.unit,
+            "after": last,
+            "consumed": 0,
+            "end_unit": self.unit,
+            **part,
+        }
 
 
 class PreparedCache:
@@ -194,12 +226,13 @@ def windows(
     first_index: int,
     shuffle_buffer: int,
     permutation: Callable[[int, int], np.ndarray],
+    part: int = 0,
 ) -> Iterator[_Window]:
     """Group the stream into windows; with `shuffle_buffer` > 0, `permutation(window, n)` orders each."""
     if shuffle_buffer <= 0:
         for unit, table in stream:
             end = (unit, _last_offset(table))
-            yield _Window(first_index, table, start, end, shuffled=False, unit=unit)
+            yield _Window(first_index, table, start, end, shuffled=False, unit=unit, part=part)
             start = end
         return
     index = first_index
@@ -230,7 +263,7 @@ def windows(
         rows = pa.concat_tables([table for _, table in taken])
         end = (taken[-1][0], _last_offset(taken[-1][1]))
         ordered = rows.take(pa.array(permutation(index, rows.num_rows)))
-        yield _Window(index, ordered, start, end, shuffled=True)
+        yield _Window(index, ordered, start, end, shuffled=True, part=part)
         start = end
         index += 1
 
@@ -243,7 +276,7 @@ def batches(
     count = 0
     position: dict[str, Any] = {}
     for number, window in enumerate(window_iterator):
-        offset = skip_first if number == 0 else 0
+        offset = max(skip_first if number == 0 else 0, window.skip)
         while offset < window.table.num_rows:
             take = min(batch_size - count, window.table.num_rows - offset)
             pending.append(window.table.slice(offset, take))
@@ -354,6 +387,30 @@ def _check_position(position: dict[str, Any], expected: dict[str, Any]) -> None:
             )
 
 
+def _share(
+    position: dict[str, Any] | None,
+    all_units: list[Unit],
+    shard: int,
+    num_shards: int,
+    *,
+    seed: int,
+    shuffled: bool,
+) -> list[dict[str, Any]]:
+    """The parts this reader reads: an explicit share from `position`, else the standard one."""
+    if position is None or "share" not in position:
+        count = len(shard_units(all_units, shard, num_shards))
+        units = standard_units(shard, num_shards, count, seed=seed, shuffled=shuffled)
+        return [{"units": units, "key": [seed, shard], "generation": 0, "start": zero_start()}]
+    parts = position["share"]
+    for part in parts:
+        if any(not 0 <= int(index) < len(all_units) for index in part["units"]):
+            raise ValueError(
+                f"position does not belong to this reader: its share names units beyond the dataset's "
+                f"{len(all_units)} (a position resumes the same dataset)"
+            )
+    return list(parts)
+
+
 def open_reader(
     source: DataSource,
     schema: Schema,
@@ -391,10 +448,8 @@ def open_reader(
     if source.format == "interactions":
         cache = None  # its rows depend on the seed (negatives are drawn anew each epoch)
     all_units = format_reader.units()
-    units = shard_units(all_units, shard, num_shards)
-    if shuffle_buffer > 0:
-        order = np.random.default_rng([seed, shard, 1 << 32]).permutation(len(units))
-        units = [units[i] for i in order]
+    parts = _share(position, all_units, shard, num_shards, seed=seed, shuffled=shuffle_buffer > 0)
+    units = [all_units[index] for part in parts for index in part["units"]]
     identity = {
         "version": POSITION_VERSION,
         "format": source.format,
@@ -404,26 +459,42 @@ def open_reader(
         "seed": seed,
         "shuffle_buffer": shuffle_buffer,
     }
-    start: dict[str, Any] = {"window": 0, "unit": 0, "after": None, "consumed": 0}
+    start: dict[str, Any] = {"part": 0, **zero_start()}
     if position is not None:
         _check_position(position, identity)
-        start = {key: position[key] for key in start}
-
-    def permutation(window: int, rows: int) -> np.ndarray:
-        return np.random.default_rng([seed, shard, window]).permutation(rows)
+        start = {
+            "part": 0,
+            **zero_start(),
+            **{k: position[k] for k in ("part", *START_KEYS) if k in position},
+        }
+    if position is not None and "share" in position:
+        identity["share"] = position["share"]
 
     def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
-        stream = _stream(format_reader, schema, units, start["unit"], start["after"], errors, cache)
-        grouped = windows(
-            stream,
-            start=(start["unit"], start["after"]),
-            first_index=start["window"],
-            shuffle_buffer=shuffle_buffer,
-            permutation=permutation,
-        )
-        for table, after in batches(
-            grouped, batch_size=batch_size, drop_last=drop_last, skip_first=start["consumed"]
-        ):
+        def grouped() -> Iterator[_Window]:
+            for number in range(int(start["part"]), len(parts)):
+                part = parts[number]
+                at = start if number == int(start["part"]) else {**zero_start(), **part["start"]}
+                part_units = [all_units[index] for index in part["units"]]
+                key = [int(value) for value in part["key"]]
+
+                def permutation(window: int, rows: int, key: list[int] = key) -> np.ndarray:
+                    return np.random.default_rng([*key, window]).permutation(rows)
+
+                stream = _stream(format_reader, schema, part_units, at["unit"], at["after"], errors, cache)
+                skip = int(at["consumed"] or 0)  # rows of its first window delivered before
+                for window in windows(
+                    stream,
+                    start=(at["unit"], at["after"]),
+                    first_index=at["window"],
+                    shuffle_buffer=shuffle_buffer,
+                    permutation=permutation,
+                    part=number,
+                ):
+                    window.skip, skip = skip, 0
+                    yield window
+
+        for table, after in batches(grouped(), batch_size=batch_size, drop_last=drop_last):
             yield table_to_batch(schema, table), after
 
     # Parquet knows its row counts from the footers; text formats would need a pass.

@@ -43,6 +43,7 @@ MAINTENANCE_METHODS = frozenset(
         "save_snapshot",
         "restore_snapshot",
         "set_learning_rate",
+        "set_num_trainers",
         "table_rows",
         "confirm_checkpoint",
         "record_versions",

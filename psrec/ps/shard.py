@@ -176,6 +176,19 @@ class ParameterShard:
         if self._version_log is not None:
             self._version_log.updated(name, ids)
 
+    def set_num_trainers(self, num_trainers: int) -> None:
+        """From the next step on, `num_trainers` trainers' pushes complete a sync step (trainers added
+        or removed between steps, `psrec.train.trainer_scaling`)."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"shard {self.shard_index}: the trainer count changed in the middle of step {self._pending.step}"
+            )
+        if isinstance(num_trainers, bool) or not isinstance(num_trainers, int) or num_trainers < 1:
+            raise ValueError(
+                f"shard {self.shard_index}: num_trainers must be an integer >= 1, got {num_trainers!r}"
+            )
+        self.num_trainers = num_trainers
+
     def set_learning_rate(self, lr: float, tables: list[str] | None = None) -> None:
         for name in tables or list(self.tables):
             self.tables[name].set_learning_rate(lr)

@@ -30,7 +30,7 @@ from psrec.embedding.tiered_table import tier_rates
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
-from psrec.train import builders, placement, trainer_failover
+from psrec.train import builders, placement, trainer_failover, trainer_scaling
 from psrec.train.cluster import required_cpus, settle_lost_actors, start_ray
 from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import ChunkResult, TrainerWorker
@@ -196,13 +196,15 @@ class RuntimeBase:
 
     def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]:
         """Load `chain` into every partition and trainer; returns the step, the first trainer's state
-        and the driver's `extra`."""
+        and the driver's `extra`. A chain of another trainer count deals the rest of its epoch to
+        these trainers (`psrec.train.trainer_scaling.dealt_states`)."""
         data = checkpoint.load_checkpoint(chain[-1], shards=[])
         self._restore_partitions(chain, data.step)
-        self._each_trainer("restore", [(data.dense, state) for state in data.trainers])
+        states = trainer_scaling.dealt_states(data.trainers, self.num_trainers)  # another trainer count
+        self._each_trainer("restore", [(data.dense, state) for state in states])
         self._lr_factor = 1.0
         self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
-        return {"step": data.step, **data.trainers[0], "extra": data.extra}
+        return {"step": data.step, **states[0], "extra": data.extra}
 
 
 def _sum_stats(per_shard: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, float]]:
@@ -382,12 +384,25 @@ class RayRuntime(RuntimeBase):
             self.form_group(None)
 
     # -- trainer failover (`psrec.train.trainer_failover.TrainerActors`) ---------------------------
-    def start_trainer(self, index: int) -> Any:
-        """A new actor for trainer `index`, in its place of the trainers' placement group."""
+    def start_trainer(self, index: int, config: RunConfig | None = None) -> Any:
+        """A new actor for trainer `index`, in its place of the trainers' placement group; trainers
+        added while training (`config`: the run's with the new trainer count) are placed by Ray."""
         routed = self.shards[: int(self.bucket_map().max()) + 1]  # shards a resharding added or kept
         routing = {"bucket_map": self._bucket_map, "routing_version": self._routing_version}
+        ps = self.config.ps
+        while len(self._trainer_options) <= index:
+            self._trainer_options.append(
+                placement.actor_options(
+                    ps.trainer_resources, strategy="any", node_resource=ps.placement.trainer_node_resource
+                )
+            )
         return self._trainer_class.options(**self._trainer_options[index]).remote(
-            self.config, index, routed, base_dir=self._base_dir, data_sources=self._data_sources, **routing
+            config or self.config,
+            index,
+            routed,
+            base_dir=self._base_dir,
+            data_sources=self._data_sources,
+            **routing,
         )
 
     def form_group(self, timeout_s: float | None) -> None:

@@ -26,6 +26,10 @@ failure, into the layout of that moment, and the moves go on from there.
 Refused, with the reason in ``scale.json`` and nothing moved: a count below 1 or above
 ``ps.num_buckets``, a second request while one is in progress, an unreadable request, strategy
 ``collective`` (the trainers hold the tables), a count the Ray cluster has no CPUs for.
+
+A request may carry ``"trainers": N`` (``psrec scale RUN_DIR --trainers N``), alone or with
+``"shards"``: the trainer count changes first (`psrec.train.trainer_scaling`, state ``starting``
+while added trainers start), then the shards move.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from psrec import storage
 from psrec.config import RunConfig
 from psrec.ps import bucket_move
 from psrec.ps.bucket_move import MoveError
-from psrec.train import autoscale
+from psrec.train import autoscale, trainer_scaling
 from psrec.train.shard_set import shard_set
 
 logger = logging.getLogger(__name__)
@@ -67,17 +71,29 @@ class Phase(enum.Enum):
     IDLE = "idle"
     STARTING = "starting"
     MOVING = "moving"
+    TRAINERS = "trainers"  # a trainer count changes first (`psrec.train.trainer_scaling`)
 
 
 # -- the CLI side ------------------------------------------------------------------------------------
 def request_scale(
-    run_dir: str, shards: int, *, buckets_per_round: int = DEFAULT_BUCKETS_PER_ROUND
+    run_dir: str,
+    shards: int | None = None,
+    *,
+    trainers: int | None = None,
+    buckets_per_round: int = DEFAULT_BUCKETS_PER_ROUND,
 ) -> dict[str, Any]:
-    """Ask the driver training in `run_dir` to change its shard count to `shards`; the request written.
+    """Ask the driver training in `run_dir` to change its shard count to `shards` and / or its
+    trainer count to `trainers`; the request written.
 
     Raises `ScaleError` (naming the value and what to do) when no driver trains there, when its
-    config cannot reshard, when `shards` is outside [1, ps.num_buckets], or when a request is
-    already waiting or in progress."""
+    config cannot reshard (or change trainers), when `shards` is outside [1, ps.num_buckets] or
+    `trainers` below 1, or when a request is already waiting or in progress."""
+    if shards is None and trainers is None:
+        raise ScaleError("give the new count: --shards N, --trainers N or both")
+    wanted = _describe({"shards": shards, "trainers": trainers})
+    setting = " ".join(
+        f"--set ps.num_{key}={value}" for key, value in (("shards", shards), ("trainers", trainers)) if value
+    )
     root = storage.location(run_dir)
     config = _read_json(root / "config.json", what="the run's config")
     if config is None:
@@ -86,40 +102,47 @@ def request_scale(
     if driver is None:
         raise ScaleError(
             f"{run_dir}: no training is running there (no {DRIVER_FILE}; a finished or stopped run has "
-            "none). To train on another shard count, resume it: psrec train CONFIG --resume "
-            f"{run_dir} --set ps.num_shards={shards}"
+            f"none). To train with {wanted}, resume it: psrec train CONFIG --resume {run_dir} {setting}"
         )
     if driver.get("host") == socket.gethostname() and not _alive(int(driver.get("pid", -1))):
         raise ScaleError(
             f"{run_dir}: the driver that trained it (pid {driver.get('pid')}) is not running any more; "
-            f"resume the run with --set ps.num_shards={shards}"
+            f"resume the run with {setting}"
         )
-    refusal = config_refusal(_Settings.of_json(config))
+    refusal = config_refusal(_Settings.of_json(config)) if shards is not None else None
+    if refusal is None and trainers is not None:
+        refusal = trainer_scaling.refusal_of_json(config)
     if refusal:
         raise ScaleError(f"{run_dir}: {refusal}")
-    try:
-        bucket_move.check_shard_count(shards, int(config["ps"]["num_buckets"]))
-    except MoveError as error:
-        raise ScaleError(f"--shards {shards}: {error}") from None
+    if shards is not None:
+        try:
+            bucket_move.check_shard_count(shards, int(config["ps"]["num_buckets"]))
+        except MoveError as error:
+            raise ScaleError(f"--shards {shards}: {error}") from None
+    if trainers is not None:
+        problem = trainer_scaling.count_error(trainers, current=0, free_cpus=None, cpus_per_trainer=0)
+        if problem:
+            raise ScaleError(f"--trainers {trainers}: {problem}")
     if isinstance(buckets_per_round, bool) or not isinstance(buckets_per_round, int) or buckets_per_round < 1:
         raise ScaleError(f"--buckets-per-round must be an integer >= 1, got {buckets_per_round!r}")
     waiting = _read_json(root / REQUEST_FILE, what="the waiting request")
     if waiting is not None:
         raise ScaleError(
-            f"{run_dir}: request {waiting.get('id')} (to {waiting.get('shards')} shards) waits for the "
+            f"{run_dir}: request {waiting.get('id')} (to {_describe(waiting)}) waits for the "
             "driver already; wait until scale.json says done or refused, then ask again"
         )
     status = _read_json(root / STATUS_FILE, what="the scale status")
     current = (status or {}).get("current") or {}
     if current.get("state") in ("accepted", "starting", "moving"):
         raise ScaleError(
-            f"{run_dir}: resharding to {current.get('shards')} shards is in progress "
-            f"({current.get('state')}, {current.get('buckets_left')} buckets left): wait until scale.json "
-            "says done, then ask again"
+            f"{run_dir}: {_change(current)} is in progress ({current.get('state')}"
+            + (f", {current['buckets_left']} buckets left" if current.get("buckets_left") is not None else "")
+            + "): wait until scale.json says done, then ask again"
         )
-    request = {
+    request: dict[str, Any] = {
         "id": uuid.uuid4().hex[:12],
-        "shards": shards,
+        **({"shards": shards} if shards is not None else {}),
+        **({"trainers": trainers} if trainers is not None else {}),
         "buckets_per_round": buckets_per_round,
         "requested_at": time.time(),
     }
@@ -134,12 +157,30 @@ def wait_for(run_dir: str, request_id: str, *, timeout: float) -> dict[str, Any]
     while time.monotonic() < deadline:
         status = _read_json(root / STATUS_FILE, what="the scale status") or {}
         for entry in [status.get("current") or {}, *status.get("history", [])]:
-            if entry.get("id") == request_id and entry.get("state") in ("done", "refused", "stopped"):
+            if entry.get("id") == request_id and entry.get("state") in (
+                "done",
+                "refused",
+                "stopped",
+                "failed",
+            ):
                 return entry
         time.sleep(0.2)
     raise ScaleError(
         f"{run_dir}: request {request_id} not finished after {timeout:.0f} s (see {STATUS_FILE})"
     )
+
+
+def _describe(request: dict[str, Any]) -> str:
+    """ "3 shards", "2 trainers" or "3 shards, 2 trainers": what a request asks for."""
+    parts = [f"{request[key]} {key}" for key in ("shards", "trainers") if request.get(key) is not None]
+    return ", ".join(parts) or "nothing"
+
+
+def _change(request: dict[str, Any]) -> str:
+    """ "resharding to 3 shards", "changing to 2 trainers" or "scaling to 3 shards, 2 trainers"."""
+    if request.get("trainers") is None:
+        return f"resharding to {_describe(request)}"
+    return f"{'changing' if request.get('shards') is None else 'scaling'} to {_describe(request)}"
 
 
 def _alive(pid: int) -> bool:
@@ -218,6 +259,7 @@ class ScaleController:
         self.settings = _Settings.of(config)
         self.autoscale = config.ps.autoscale
         self._at_limit_said = False
+        self.trainer_refusal = trainer_scaling.refusal_of(config)
         self.shards = shard_set(runtime)
         self.runtime = runtime
         self.phase = Phase.IDLE
@@ -225,6 +267,7 @@ class ScaleController:
         self.history: list[dict[str, Any]] = []
         self._target: np.ndarray | None = None
         self._started_at = 0.0
+        self._trainers: trainer_scaling.TrainerChange | None = None
 
     # -- the driver's file ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -238,11 +281,11 @@ class ScaleController:
         """The run is over: a resharding still going on stops here (the model is whole at every
         boundary), and the driver's file goes."""
         if self.current is not None and self.phase is not Phase.IDLE:
-            self._finish(
-                "stopped", f"the run ended with {self.current.get('buckets_left')} buckets left to move"
-            )
+            self._finish("stopped", f"the run ended before {_change(self.current)} was done")
         if self.shards is not None:
             self.shards.abandon()
+        if self._trainers is not None:
+            self._trainers.abandon()
         try:
             (self.root / DRIVER_FILE).unlink(missing_ok=True)
         except (OSError, storage.StorageError) as error:
@@ -256,6 +299,10 @@ class ScaleController:
     def poll(self, step: int) -> bool:
         if self.phase is Phase.IDLE:
             self._take_request(step)
+        if self.phase is Phase.TRAINERS:
+            self._refuse_waiting()
+            if not self._trainers_round(step):
+                return False
         if self.phase is Phase.STARTING:
             assert self.shards is not None
             try:
@@ -329,9 +376,55 @@ class ScaleController:
         if problem is not None:
             self._finish("refused", problem)
             return
+        if request.get("trainers") is not None:
+            self._begin_trainers(step)
+        else:
+            self._begin_shards(step)
+
+    def _begin_trainers(self, step: int) -> None:
+        assert self.current is not None
+        count, wanted = len(self.runtime.trainers), int(self.current["trainers"])
+        self.current.update(from_trainers=count, accepted_at=time.time(), state="starting")
+        logger.info("step %d: %d -> %d trainers (request %s)", step, count, wanted, self.current["id"])
+        self._trainers = trainer_scaling.TrainerChange(self.runtime, wanted)
+        self._trainers.start()
+        self.phase = Phase.TRAINERS
+        self._write_status()
+
+    def _trainers_round(self, step: int) -> bool:
+        """The trainer change at this boundary (`TrainerChange.advance`); True when the request goes
+        on with its shards in the same call."""
+        change, current = self._trainers, self.current
+        assert change is not None and current is not None
+        try:
+            outcome, detail = change.advance(step)
+        except BaseException:
+            self._trainers = None
+            self._finish(
+                "failed", "the trainers failed while switching: the run rolls back to its last checkpoint"
+            )
+            raise
+        if outcome == "waiting":
+            return False
+        self._trainers = None
+        if isinstance(detail, str):
+            self._finish("refused", detail)
+            return False
+        current.update(detail or {})
+        if current.get("shards") is None:
+            self._finish("done", None)
+            return False
+        self.phase = Phase.IDLE
+        self._begin_shards(step)
+        return True
+
+    def _begin_shards(self, step: int) -> None:
+        assert self.current is not None
+        request = self.current
         assert self.shards is not None
         count, wanted = self.shards.count(), int(request["shards"])
-        self.current.update(from_shards=count, shards=wanted, accepted_at=time.time())
+        self.current.update(from_shards=count, shards=wanted)
+        self.current.setdefault("accepted_at", time.time())
         self._target = bucket_move.balanced_map(self.runtime.bucket_map(), wanted)
         self.current["buckets_left"] = int(np.count_nonzero(self._target != self.runtime.bucket_map()))
         logger.info("step %d: resharding %d -> %d shards (request %s)", step, count, wanted, request["id"])
@@ -354,10 +447,15 @@ class ScaleController:
             return {"id": None}, f"{where} is not JSON ({error}): write it with psrec scale"
         if not isinstance(request, dict):
             return {"id": None}, f"{where} is not a JSON object: write it with psrec scale"
-        refusal = config_refusal(self.settings)
-        if refusal is None and self.shards is None:
+        if request.get("shards") is None and request.get("trainers") is None:
+            return request, f"{where}: give shards, trainers or both: write it with psrec scale"
+        refusal = config_refusal(self.settings) if request.get("shards") is not None else None
+        if refusal is None and request.get("trainers") is not None:
+            shards = self.shards.count() if self.shards is not None else 0
+            refusal = self.trainer_refusal or trainer_scaling.capacity_error(self.runtime, request, shards)
+        if refusal is None and self.shards is None and request.get("shards") is not None:
             refusal = "this runtime cannot change its shard count while training"
-        if refusal is not None:
+        if refusal is not None or request.get("shards") is None:
             return request, refusal
         try:
             wanted = bucket_move.check_shard_count(request.get("shards"), self.settings.num_buckets)
@@ -384,8 +482,7 @@ class ScaleController:
             {
                 **(request if isinstance(request, dict) else {}),
                 "state": "refused",
-                "message": f"resharding to {self.current['shards']} shards is in progress: ask again once "
-                "it is done",
+                "message": f"{_change(self.current)} is in progress: ask again once it is done",
             }
         )
         self._write_status()
@@ -434,7 +531,9 @@ class ScaleController:
         self.current.update(state=state, finished_at=time.time())
         if message is not None:
             self.current["message"] = message
-            logger.warning("scale request %s refused: %s", self.current.get("id"), message)
+            logger.warning("scale request %s %s: %s", self.current.get("id"), state, message)
+        elif self.current.get("shards") is None:
+            logger.info("training on %d trainers", self.current["trainers"])
         else:
             rounds = self.current["rounds"]
             logger.info(

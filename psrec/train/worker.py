@@ -442,6 +442,19 @@ class TrainerWorker:
         self.step = step
         return self._take_chunk(exhausted=False)
 
+    def rescale(self, config: RunConfig) -> None:
+        """Train as one of `config.ps.num_trainers` trainers from the next step on (trainers added or
+        removed between steps, `psrec.train.trainer_scaling`): leave the process group (it is formed
+        again with the new world size); `take_over` then opens this trainer's new share of the data."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.config = config
+        self.world_size = config.ps.num_trainers
+        assert isinstance(self.runner, StepRunner), (
+            "strategy 'ps' without a pipeline changes its trainer count"
+        )
+        self.runner.world_size = self.world_size
+
     def _mark_input_reported(self) -> None:
         """Count the reader's bad input from here on (what it counted before was reported)."""
         self._input_report()

@@ -41,6 +41,29 @@ def test_sync_shard_applies_a_step_once_all_trainers_pushed() -> None:
     assert shard.applied_step == 0
 
 
+def test_a_sync_shard_told_another_trainer_count_completes_steps_with_that_many() -> None:
+    """2 trainers, then 3 (trainers added between steps), then 1: a step is applied once that many
+    trainers pushed it (plain SGD arithmetic as the oracle); a change inside a step is refused."""
+    (shard,) = make_shards(1, num_trainers=2)
+    ids = np.array([3], dtype=np.int64)
+    expected = shard.pull({"t": ids})["t"].copy()
+    grads = np.ones((1, DIM), dtype=np.float32)
+    for step, trainers in enumerate((2, 3, 1)):
+        shard.set_num_trainers(trainers)
+        for trainer in range(trainers):
+            np.testing.assert_allclose(shard.pull({"t": ids})["t"], expected, rtol=1e-6)  # not applied yet
+            shard.push(trainer, step, step, {"t": (ids, grads)})
+        expected = expected - 0.5 * trainers
+        np.testing.assert_allclose(shard.pull({"t": ids})["t"], expected, rtol=1e-6)
+        assert shard.applied_step == step
+    with pytest.raises(ValueError, match="num_trainers must be an integer >= 1, got 0"):
+        shard.set_num_trainers(0)
+    shard.set_num_trainers(2)
+    shard.push(0, 3, 3, {"t": (ids, grads)})
+    with pytest.raises(RuntimeError, match="in the middle of step 3"):
+        shard.set_num_trainers(1)
+
+
 def test_push_retry_is_applied_once() -> None:
     (shard,) = make_shards(1, mode="async")
     ids = np.array([5], dtype=np.int64)
