@@ -65,7 +65,14 @@ def recoveries(directory: Path) -> list[dict[str, Any]]:
 
 # ParameterShard maintenance calls that change the tables (logged); the others only read.
 LOGGED_CALLS = frozenset(
-    {"set_learning_rate", "evict", "save_snapshot", "restore_snapshot", "confirm_checkpoint"}
+    {
+        "set_learning_rate",
+        "set_num_trainers",
+        "evict",
+        "save_snapshot",
+        "restore_snapshot",
+        "confirm_checkpoint",
+    }
 )
 
 
@@ -177,6 +184,8 @@ class LoggedShard:
             chain = [ref_from_json(ref) for ref in base["chain"]]
             layout = base.get("bucket_map")
             self.bucket_map = layout
+            if "num_trainers" in base:  # set first: the restore's request ids cover every trainer
+                self.shard.set_num_trainers(int(base["num_trainers"]))
             restore_shard(
                 self.shard, chain, int(base["step"]), bucket_map=None if layout is None else np.array(layout)
             )
@@ -188,6 +197,7 @@ class LoggedShard:
                 self._snapshot_files.add(tag)
             if base.get("needs_full_checkpoint"):
                 self.shard.needs_full_checkpoint = True
+
         elif base["kind"] != "fresh":
             raise PushLogError(f"{segment.path}: unknown base {base['kind']!r}")
         self._restored = time.time()
@@ -316,6 +326,8 @@ class LoggedShard:
             "snapshots": tags,
             "needs_full_checkpoint": self.shard.needs_full_checkpoint,
             "bucket_map": self.bucket_map,
+            # a restarted process is built with the trainer count the shard started with
+            "num_trainers": self.shard.num_trainers,
         }
         self.log.start_segment(base)
         self._imports.clear()  # a move finishes before the checkpoint that follows it

@@ -21,8 +21,9 @@ Checkpoints written after the switch record N trainers' positions; resuming with
 ``ps.num_trainers`` deals the rest of the epoch again.
 
 Refused, with nothing changed: a count below 1 or one the Ray cluster has no free CPUs for, the
-in-process runtime (one trainer), strategy "collective", a pipeline, and
-``fault_tolerance.shard_failover`` (a shard's log replays with the trainer count it started with).
+in-process runtime (one trainer), strategy "collective" and a pipeline. With
+``fault_tolerance.shard_failover`` each shard logs its new trainer count like any other change
+(`psrec.ps.replay`), so a shard rebuilt after the switch completes its steps with the new count.
 The decisions (`config_refusal`, `count_error`, `dealt_states`) are pure functions.
 """
 
@@ -45,7 +46,7 @@ def with_trainers(config: RunConfig, count: int) -> RunConfig:
     return config.model_copy(update={"ps": config.ps.model_copy(update={"num_trainers": count})})
 
 
-def config_refusal(*, runtime: str, strategy: str, pipeline: bool, shard_failover: bool) -> str | None:
+def config_refusal(*, runtime: str, strategy: str, pipeline: bool) -> str | None:
     """Why a run with these settings cannot change its trainer count while training, or None."""
     if runtime != "ray":
         return (
@@ -58,11 +59,6 @@ def config_refusal(*, runtime: str, strategy: str, pipeline: bool, shard_failove
         )
     if pipeline:
         return "ps.pipeline splits the dense model over a fixed number of trainers: the count cannot change"
-    if shard_failover:
-        return (
-            "fault_tolerance.shard_failover is on: a shard's log replays with the trainer count it started "
-            "with; turn shard_failover off to change trainers live, or resume with --set ps.num_trainers=N"
-        )
     return None
 
 
@@ -72,18 +68,16 @@ def refusal_of(config: RunConfig) -> str | None:
         runtime=ps.runtime,
         strategy=ps.strategy,
         pipeline=ps.pipeline is not None,
-        shard_failover=config.fault_tolerance.shard_failover,
     )
 
 
 def refusal_of_json(config: dict[str, Any]) -> str | None:
     """`refusal_of` over the run's config.json."""
-    ps, fault = config.get("ps", {}), config.get("fault_tolerance", {})
+    ps = config.get("ps", {})
     return config_refusal(
         runtime=ps.get("runtime", "ray"),
         strategy=ps.get("strategy", "ps"),
         pipeline=ps.get("pipeline") is not None,
-        shard_failover=bool(fault.get("shard_failover")),
     )
 
 

@@ -77,6 +77,7 @@ class Twin:
         self.run_dir = tmp_path / "run"
         self.log_dir = tmp_path / "log"
         self.num_trainers = num_trainers
+        self.started_with = num_trainers  # a restarted process is built as the first one was
         self.wire = wire
         self.oracle = new_shard(num_trainers)
         prepare_fresh(self.log_dir)
@@ -88,7 +89,7 @@ class Twin:
     def rebuild(self) -> LoggedShard:
         """The shard's process died: a new one opens the same log."""
         self.logged.log.close()
-        self.logged = LoggedShard.open(new_shard(self.num_trainers), self.log_dir)
+        self.logged = LoggedShard.open(new_shard(self.started_with), self.log_dir)
         return self.logged
 
     def pull(self, ids_t: np.ndarray, ids_u: np.ndarray) -> None:
@@ -207,6 +208,25 @@ def test_bucket_moves_are_replayed_and_a_repeated_import_adds_nothing(tmp_path: 
     twin.checkpoint(4, "full")
     twin.step(4)
     assert_same(twin.rebuild().shard, twin.oracle)
+
+
+def test_a_changed_trainer_count_is_replayed_and_kept_across_checkpoints(tmp_path: Path) -> None:
+    """Trainers removed while training (`set_num_trainers`): the rebuilt shard, built with the count
+    it started with, completes steps with the new count, before and after the next checkpoint."""
+    twin = Twin(tmp_path, num_trainers=2)
+    twin.checkpoint(0, "full")
+    twin.step(0)
+    twin.call("set_num_trainers", 1)
+    twin.num_trainers = 1
+    twin.step(1)
+    rebuilt = twin.rebuild()
+    assert rebuilt.shard.num_trainers == 1
+    assert_same(rebuilt.shard, twin.oracle)
+    twin.checkpoint(2, "delta")
+    twin.step(2)
+    rebuilt = twin.rebuild()
+    assert rebuilt.shard.num_trainers == 1 and rebuilt.shard.applied_step == 2
+    assert_same(rebuilt.shard, twin.oracle)
 
 
 def test_a_shard_added_while_training_replays_from_fresh_tables(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ counted by the driver from every trainer's batches, are the training set's rows 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,6 @@ def config_of(sources: dict[str, Any], run_dir: Path, *, trainers: int, mode: st
         "training.log_every_steps": 3,
         "training.batch_size": 512,
         "training.shuffle_buffer": 1000,
-        "fault_tolerance.shard_failover": False,  # changing trainers live needs it off on Ray
         **overrides,
     }
     return small_run_config({"train": sources["train"]}, run_dir, **settings)
@@ -49,6 +50,8 @@ def finished(config: Any, sources: dict[str, Any], progress: Any = None, resume:
     from psrec.train.runtime import RayRuntime
 
     runtime = RayRuntime(config, base_dir=".", data_sources={"train": sources["train"]})
+    if isinstance(progress, ChangeAt):
+        progress.runtime = runtime
     try:
         summary = train(config, runtime=runtime, progress=progress, resume=resume)
         return summary, runtime.dense_states()[0], runtime.table_rows(), runtime.num_trainers
@@ -72,13 +75,23 @@ def added_trainers_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
 class ChangeAt:
     """Progress callback: ask for `trainers` trainers (and `shards` shards) once step CHANGE_AT is done."""
 
-    def __init__(self, run_dir: Path, trainers: int, shards: int | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, trainers: int, shards: int | None = None, *, kill_shard_at: int | None = None
+    ) -> None:
         self.run_dir, self.trainers, self.shards = run_dir, trainers, shards
         self.request: str | None = None
+        self.kill_shard_at = kill_shard_at  # SIGKILL shard 0 at this step's report (shard failover)
+        self.runtime: Any = None
+        self.killed: int | None = None
 
     def __call__(self, report: dict[str, Any]) -> None:
         if report["step"] == CHANGE_AT and self.request is None:
             self.request = request_scale(str(self.run_dir), self.shards, trainers=self.trainers)["id"]
+        if report["step"] == self.kill_shard_at and self.killed is None:
+            import ray
+
+            self.killed = int(ray.get(self.runtime.shards[0].pid.remote(), timeout=30))
+            os.kill(self.killed, signal.SIGKILL)
 
 
 def assert_same_model(run: Any, reference: Any) -> None:
@@ -102,10 +115,17 @@ def copy_until(source: Path, destination: Path, step: int) -> Path:
 
 
 def changed_and_resumed(
-    sources: dict[str, Any], tmp_path: Path, *, before: int, after: int, mode: str, shards: int | None = None
+    sources: dict[str, Any],
+    tmp_path: Path,
+    *,
+    before: int,
+    after: int,
+    mode: str,
+    shards: int | None = None,
+    kill_shard_at: int | None = None,
 ) -> tuple[Any, Any, ChangeAt]:
     live_dir = tmp_path / "live"
-    change = ChangeAt(live_dir, after, shards)
+    change = ChangeAt(live_dir, after, shards, kill_shard_at=kill_shard_at)
     live = finished(config_of(sources, live_dir, trainers=before, mode=mode), sources, change)
     # the oracle: the live run's checkpoint of the change's step (written before the change, by the
     # undisturbed job), resumed undisturbed with the new count
@@ -133,8 +153,15 @@ def check_change(live: Any, change: ChangeAt, *, before: int, after: int) -> dic
 def test_two_trainers_to_one_at_a_step_is_the_run_resumed_there_with_one(
     ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
-    live, resumed, change = changed_and_resumed(synthetic_sources, tmp_path, before=2, after=1, mode="sync")
+    """With shard failover (the default), shard 0 is also SIGKILLed three steps after the switch: it is
+    rebuilt from its log (the checkpoint before the switch, the new trainer count, the steps since)
+    and completes its steps with one trainer's pushes; no rollback."""
+    live, resumed, change = changed_and_resumed(
+        synthetic_sources, tmp_path, before=2, after=1, mode="sync", kill_shard_at=CHANGE_AT + 3
+    )
     check_change(live, change, before=2, after=1)
+    assert change.killed is not None
+    assert [f["shard"] for f in live[0]["failovers"] if "shard" in f] == [0]
     assert_same_model(live, resumed)
     assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
     assert json.loads((tmp_path / "live" / STATUS_FILE).read_text())["current"] is None

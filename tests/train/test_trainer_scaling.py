@@ -54,7 +54,6 @@ def run_dir_of(tmp_path: Path, sources: dict[str, Any], **overrides: Any) -> tup
     [
         ({"ps.runtime": "local", "ps.num_trainers": 1}, "the in-process runtime runs one trainer"),
         ({"ps.strategy": "collective"}, "strategy 'collective'"),
-        ({"fault_tolerance.shard_failover": True}, "replays with the trainer count it started with"),
     ],
 )
 def test_psrec_scale_refuses_trainers_for_a_config_that_cannot_change_them(
