@@ -343,7 +343,6 @@ class RayRuntime(RuntimeBase):
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
         # trainer failover: each trainer's place at the last step boundary, attempts, reports
-        self._replaces_trainers = trainer_failover.failover_refusal(config) is None
         self.cursors = [trainer_failover.Cursor(0, 0, None) for _ in range(config.ps.num_trainers)]
         self._failover_attempts = 0
         self._trainer_failovers: list[dict[str, Any]] = []
@@ -428,7 +427,8 @@ class RayRuntime(RuntimeBase):
         self._report_placement()
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
-        if not self._replaces_trainers:
+        # the config of now: a trainer count changed while training (`trainer_scaling`) decides too
+        if trainer_failover.failover_refusal(self.config) is not None:
             return super().train_steps(max_steps)
         return trainer_failover.train_steps(self, max_steps)
 

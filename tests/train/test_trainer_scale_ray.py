@@ -76,21 +76,27 @@ class ChangeAt:
     """Progress callback: ask for `trainers` trainers (and `shards` shards) once step CHANGE_AT is done."""
 
     def __init__(
-        self, run_dir: Path, trainers: int, shards: int | None = None, *, kill_shard_at: int | None = None
+        self,
+        run_dir: Path,
+        trainers: int,
+        shards: int | None = None,
+        *,
+        kill_at: tuple[int, str, int] | None = None,
     ) -> None:
         self.run_dir, self.trainers, self.shards = run_dir, trainers, shards
         self.request: str | None = None
-        self.kill_shard_at = kill_shard_at  # SIGKILL shard 0 at this step's report (shard failover)
+        self.kill_at = kill_at  # (step, "shards" or "trainers", index): SIGKILLed at that step's report
         self.runtime: Any = None
         self.killed: int | None = None
 
     def __call__(self, report: dict[str, Any]) -> None:
         if report["step"] == CHANGE_AT and self.request is None:
             self.request = request_scale(str(self.run_dir), self.shards, trainers=self.trainers)["id"]
-        if report["step"] == self.kill_shard_at and self.killed is None:
+        if self.kill_at is not None and report["step"] == self.kill_at[0] and self.killed is None:
             import ray
 
-            self.killed = int(ray.get(self.runtime.shards[0].pid.remote(), timeout=30))
+            actor = getattr(self.runtime, self.kill_at[1])[self.kill_at[2]]
+            self.killed = int(ray.get(actor.pid.remote(), timeout=30))
             os.kill(self.killed, signal.SIGKILL)
 
 
@@ -122,10 +128,10 @@ def changed_and_resumed(
     after: int,
     mode: str,
     shards: int | None = None,
-    kill_shard_at: int | None = None,
+    kill_at: tuple[int, str, int] | None = None,
 ) -> tuple[Any, Any, ChangeAt]:
     live_dir = tmp_path / "live"
-    change = ChangeAt(live_dir, after, shards, kill_shard_at=kill_shard_at)
+    change = ChangeAt(live_dir, after, shards, kill_at=kill_at)
     live = finished(config_of(sources, live_dir, trainers=before, mode=mode), sources, change)
     # the oracle: the live run's checkpoint of the change's step (written before the change, by the
     # undisturbed job), resumed undisturbed with the new count
@@ -157,7 +163,7 @@ def test_two_trainers_to_one_at_a_step_is_the_run_resumed_there_with_one(
     rebuilt from its log (the checkpoint before the switch, the new trainer count, the steps since)
     and completes its steps with one trainer's pushes; no rollback."""
     live, resumed, change = changed_and_resumed(
-        synthetic_sources, tmp_path, before=2, after=1, mode="sync", kill_shard_at=CHANGE_AT + 3
+        synthetic_sources, tmp_path, before=2, after=1, mode="sync", kill_at=(CHANGE_AT + 3, "shards", 0)
     )
     check_change(live, change, before=2, after=1)
     assert change.killed is not None
@@ -165,6 +171,23 @@ def test_two_trainers_to_one_at_a_step_is_the_run_resumed_there_with_one(
     assert_same_model(live, resumed)
     assert resumed[0]["rows_consumed"] == resumed[0]["rows_consumed_unique"] == TRAIN_ROWS
     assert json.loads((tmp_path / "live" / STATUS_FILE).read_text())["current"] is None
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_trainer_added_while_training_is_replaced_alone_when_it_dies(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path, added_trainers_waited_for: None
+) -> None:
+    """1 -> 2 trainers, then the added trainer SIGKILLed three steps after the switch: trainer
+    failover (decided with the trainer count of now) replaces it alone, no rollback, the model is
+    the oracle's (the change's checkpoint resumed with 2)."""
+    live, resumed, change = changed_and_resumed(
+        synthetic_sources, tmp_path, before=1, after=2, mode="sync", kill_at=(CHANGE_AT + 3, "trainers", 1)
+    )
+    check_change(live, change, before=1, after=2)
+    assert change.killed is not None
+    assert [f for f in live[0]["failovers"] if "shard" not in f]  # the trainer's failover
+    assert_same_model(live, resumed)
 
 
 @pytest.mark.ray
