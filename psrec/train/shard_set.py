@@ -9,6 +9,7 @@ source actor to its destination through Ray's object store, not through the driv
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any, Protocol
 
@@ -19,6 +20,8 @@ from psrec.ps.bucket_move import BucketMove
 from psrec.ps.shard import ParameterShard
 from psrec.train import builders
 from psrec.train.failover import answered_refs
+
+logger = logging.getLogger(__name__)
 
 
 class ShardSet(Protocol):
@@ -158,7 +161,7 @@ class RayShards:
         _answers([(shard, "start_at", (step,)) for shard in self._starting])
         self.runtime.shards.extend(self._starting)
         self._starting, self._answers = [], []
-        self.runtime._report_placement()  # summary.json's placement names the new shards' nodes
+        self._refresh_placement()  # summary.json's placement names the new shards' nodes
 
     def move(self, moves: list[BucketMove], num_buckets: int) -> int:
         shards = self.runtime.shards
@@ -190,7 +193,17 @@ class RayShards:
         for shard in self.runtime.shards[count:]:
             ray.kill(shard)
         del self.runtime.shards[count:]
-        self.runtime._report_placement()
+        self._refresh_placement()
+
+    def _refresh_placement(self) -> None:
+        """The runtime's placement report taken again; a shard being rebuilt meanwhile (shard failover)
+        leaves the previous report, never fails the resharding."""
+        from ray.exceptions import RayActorError
+
+        try:
+            self.runtime._report_placement()
+        except (RayActorError, TimeoutError) as error:
+            logger.warning("placement report not taken again after the resharding: %s", error)
 
     def abandon(self) -> None:
         import ray
