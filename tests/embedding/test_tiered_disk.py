@@ -115,6 +115,7 @@ def test_record_layout_round_trip():
         "optimizer_state/step": np.array([1, 2, 3], dtype=np.int32),
         "counts": np.array([4, 5, 6], dtype=np.uint32),
         "last_step": np.array([7, 8, 9], dtype=np.uint32),
+        "ids": np.array([-5, 0, 2**62], dtype=np.int64),
     }
     records = layout.pack(values)
     assert not layout.corrupt(records).any()
