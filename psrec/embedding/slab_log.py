@@ -25,13 +25,14 @@ from __future__ import annotations
 import numpy as np
 
 SEGMENT_ROWS = 4096  # slots per segment: ~1.1 MiB of 288-byte records, read in one call when cleaned
-MIN_SEGMENT_ROWS = 64
+MIN_SEGMENT_ROWS = 2
 CLEAN_MAX_LIVE = 0.75  # clean a segment only if at most this share of its slots is live; else grow
 
 
 def segment_rows_for(memory_rows: int) -> int:
     """Segment size for a table keeping `memory_rows` in memory: ``SEGMENT_ROWS``, smaller for small
-    budgets (a small table's file stays small, and its demotions still span several segments)."""
+    budgets (a small table's file stays small, and its demotions span several segments: the small
+    tables of the tests clean and reuse segments all the time)."""
     return max(MIN_SEGMENT_ROWS, min(SEGMENT_ROWS, memory_rows // 16))
 
 
