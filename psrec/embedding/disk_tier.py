@@ -107,6 +107,20 @@ def _pwrite_kernel(descriptor, slots, record_bytes, records):  # pragma: no cove
     return count
 
 
+@numba.njit(nogil=True)
+def _read_ahead_kernel(descriptor, slots, record_bytes, records, checksum_word, corrupt):  # pragma: no cover
+    """`_pread_kernel`, then mark each record read whose checksum (word `checksum_word`) does not
+    match its first `checksum_word` words: all of a prefetch's work, without the GIL."""
+    done = _pread_kernel(descriptor, slots, record_bytes, records)
+    words = records.view(np.uint64)
+    for i in range(done):
+        digest = np.uint64(0)
+        for j in range(checksum_word):
+            digest += mix64(words[i, j] ^ (np.uint64(j + 1) * np.uint64(GOLDEN_GAMMA)))
+        corrupt[i] = mix64(digest ^ np.uint64(CHECKSUM_SEED)) != words[i, checksum_word]
+    return done
+
+
 @numba.njit(cache=True, nogil=True)
 def _checksum_kernel(words, out):  # pragma: no cover - numba
     """One 64-bit checksum per record: (records, words) uint64 -> (records,) uint64. The terms are
@@ -505,8 +519,14 @@ class DiskTier:
     def _read_ahead(self, descriptor: int, slots: np.ndarray, records: np.ndarray) -> tuple[int, np.ndarray]:
         """The background read: records read (a prefix; the rest are read again on demand) and which
         of them fail their checksum (torn by a reuse of their segment, or damaged)."""
-        done = int(_pread_kernel(descriptor, slots, self.layout.record_bytes, records))
-        return done, self.layout.corrupt(records[:done])
+        corrupt = np.zeros(slots.shape[0], dtype=np.bool_)
+        layout = self.layout
+        done = int(
+            _read_ahead_kernel(
+                descriptor, slots, layout.record_bytes, records, layout.checksum_offset // 8, corrupt
+            )
+        )
+        return done, corrupt[:done]
 
     def _take_prefetched(self, slots: np.ndarray, records: np.ndarray) -> np.ndarray:
         """Copy into `records` the prefetched records of `slots` that are still current; returns the
