@@ -26,7 +26,7 @@ import numpy as np
 
 SEGMENT_ROWS = 4096  # slots per segment: ~1.1 MiB of 288-byte records, read in one call when cleaned
 MIN_SEGMENT_ROWS = 2
-CLEAN_MAX_LIVE = 0.75  # clean a segment only if at most this share of its slots is live; else grow
+CLEAN_MAX_LIVE = 0.5  # clean a segment only if at most this share of its slots is live; else grow
 
 
 def segment_rows_for(memory_rows: int) -> int:

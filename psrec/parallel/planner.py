@@ -33,7 +33,7 @@ assume ids spread evenly over buckets (the splitmix64 bucket hash makes them so)
 Disk tier (``TableSize.memory_rows``, docs/disk_tier.md): a table keeps that many rows in memory
 (all devices together) at the cost above; each other row costs ``DISK_INDEX_BYTES_PER_ROW`` (28) in
 memory, for the disk tier's index; on the device's disk every row of the table takes up to
-``DISK_SPACE_FACTOR`` (1.67) records (``disk_bytes_per_row``: payload, optimizer state, metadata, id
+``DISK_SPACE_FACTOR`` (2.5) records (``disk_bytes_per_row``: payload, optimizer state, metadata, id
 and checksum; the log-structured slab's garbage included), checked against ``Devices.disk_bytes``
 when given.
 `plan_disk_tier` chooses ``memory_rows`` for every table so that the tables fit the devices' memory
