@@ -122,6 +122,16 @@ class ParameterShard:
             self._version_log.read(requests)
         return rows
 
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int:
+        """Start reading the cold rows of a coming training pull's ids (tables with a disk tier;
+        `TieredTable.prefetch`) while the caller computes; returns the rows being read. Changes no
+        result: the pull that follows returns what it would without it."""
+        return sum(
+            table.prefetch(ids)
+            for name, ids in requests.items()
+            if isinstance(table := self._table(name), TieredTable)
+        )
+
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
         """Apply (async) or buffer-then-apply (sync) one trainer's gradients; False if it was a retry."""
         if request_id <= self.last_request.get(trainer, -1):
