@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import os
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,20 @@ def check_disk_dir(directory: str | os.PathLike[str], *, table: str, needed_byte
     return path
 
 
+_READER: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor): one reader thread a process
+_READER_LOCK = threading.Lock()
+
+
+def _reader() -> ThreadPoolExecutor:
+    """The process's prefetch thread, shared by all its tables (their reads queue up in order); a
+    forked child makes its own (the parent's thread does not exist there)."""
+    global _READER
+    with _READER_LOCK:
+        if _READER is None or _READER[0] != os.getpid():
+            _READER = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="psrec-disk-tier"))
+        return _READER[1]
+
+
 @dataclass
 class _Prefetch:
     """Records being read on the background thread: ascending `slots`, their segments' generations
@@ -262,7 +277,6 @@ class DiskTier:
         self.segment_rows = int(segment_rows)
         # unlinked at once; held open for the tier's life, closed by close()
         self._file = tempfile.TemporaryFile(dir=self.directory, prefix=f"psrec-{table}-")  # noqa: SIM115
-        self._executor: ThreadPoolExecutor | None = None
         self._prefetch: _Prefetch | None = None
         self._reset()
         self.bytes_read = 0
@@ -355,9 +369,6 @@ class DiskTier:
 
     def close(self) -> None:
         self._drop_prefetch()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
         self._file.close()
 
     # ------------------------------------------------------------------------------------ log
@@ -507,11 +518,9 @@ class DiskTier:
         slots = np.sort(slots[slots >= 0])
         if slots.shape[0] == 0:
             return 0
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"psrec-{self.table}")
         records = np.empty((slots.shape[0], self.layout.record_bytes), dtype=np.uint8)
         generations = self._log.generation[slots // self._log.segment_rows]
-        future = self._executor.submit(self._read_ahead, self._file.fileno(), slots, records)
+        future = _reader().submit(self._read_ahead, self._file.fileno(), slots, records)
         self._prefetch = _Prefetch(slots, generations, records, future)
         self.bytes_read += int(records.nbytes)
         return int(slots.shape[0])
