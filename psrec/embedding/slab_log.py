@@ -31,9 +31,9 @@ CLEAN_MAX_LIVE = 0.5  # clean a segment only if at most this share of its slots 
 
 def segment_rows_for(memory_rows: int) -> int:
     """Segment size for a table keeping `memory_rows` in memory: ``SEGMENT_ROWS``, smaller for small
-    budgets (a small table's file stays small, and its demotions span several segments: the small
-    tables of the tests clean and reuse segments all the time)."""
-    return max(MIN_SEGMENT_ROWS, min(SEGMENT_ROWS, memory_rows // 16))
+    budgets (a quarter of the budget: a demotion, 5% of it, then fills part of one segment, and the
+    small tables of the tests clean and reuse segments all the time)."""
+    return max(MIN_SEGMENT_ROWS, min(SEGMENT_ROWS, memory_rows // 4))
 
 
 class SegmentLog:
