@@ -168,6 +168,7 @@ class TieredTable(EmbeddingTable):
         self.promotions = 0
         self.demotions = 0
         self.steps = 0  # training steps pushed (distinct step numbers in a row)
+        self.last_promotions = 0  # rows the last training pull that missed promoted
         self._pushed_step: int | None = None
 
     # ---------------------------------------------------------------------------------- tiers
@@ -252,12 +253,14 @@ class TieredTable(EmbeddingTable):
         if train:
             self.misses += missing
             self.hits += ids.shape[0] - missing
+            self.last_promotions = 0
         if missing and not train:
             return self._evaluation_rows(ids, rows, out)
         if missing:  # room first, for every id that may arrive (promoted or new)
             arriving = np.unique(ids[rows < 0])
             self._enforce_budget(protected=rows[rows >= 0], incoming=arriving.shape[0])
-            if self._cold.num_rows and self._promote(arriving):
+            self.last_promotions = self._promote(arriving) if self._cold.num_rows else 0
+            if self.last_promotions:  # a training pull: evaluation pulls returned above
                 positions = np.flatnonzero(rows < 0)
                 rows[positions], _ = self._index.lookup(ids[positions])
                 missing = int(np.count_nonzero(rows < 0))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from psrec.config import ConfigError
+from psrec.ps import shard as shard_module
 from psrec.train.loop import train
 from tests.conftest import small_run_config
 
@@ -131,11 +132,12 @@ def _serving_tables(run_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {name: (table.ids, table.values()) for name, table in tables.items()}
 
 
-def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path):
+def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path, monkeypatch):
     """The serving tables exported from a run whose rows mostly lived on disk equal those of the
     in-memory run, id for id and bit for bit; summary.json carries the tiers' per-step rates, and
     the trainer's prefetches of each next batch's cold rows served promotions."""
     options = {"checkpoint.every_steps": 10}
+    monkeypatch.setattr(shard_module, "PREFETCH_MIN_ROWS", 1)  # this run's tables promote a few rows a step
     plain = train(small_run_config(synthetic_sources, tmp_path / "plain", **options))
     tiered = train(
         small_run_config(synthetic_sources, tmp_path / "tiered", **options, **_storage(tmp_path / "d"))
