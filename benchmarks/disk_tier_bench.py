@@ -12,12 +12,16 @@ traffic and on traffic whose popular ids change halfway ("drift": the rank -> id
 ``scale``: a table of ``--rows`` rows of dim ``--dim`` (row-wise Adagrad, fp32) is filled (every
 row inserted and updated once), then trained for ``--rounds`` rounds of ``--steps`` steps of
 ``--batch`` Zipf ids (after ``--warmup-rounds`` untimed ones, in which the memory tier fills with
-the popular rows), each system in a fresh process, one after the other: ``memory`` (an
-EmbeddingTable) and ``tiered`` (a TieredTable with the rows that fit ``--memory-gb``, disk index
-included, in memory; the rest under ``--disk-dir``). Reported per system: ids/s of pull + push
-(median of rounds), samples per CPU-second, peak RSS (VmHWM) and its anonymous and file-backed
-parts at the end, the hit rate, disk bytes read/written per step, and where the tiered steps' time
-goes (promotion reads, demotion writes and victim choice).
+the popular rows), each system in a fresh process: ``memory`` (an EmbeddingTable), ``tiered`` (a
+TieredTable with the rows that fit ``--memory-gb``, disk index included, in memory; the rest under
+``--disk-dir``) and ``prefetch`` (the same, told each next batch's ids after each pull:
+``TieredTable.prefetch``, so its cold rows are read on a background thread during the push).
+The systems run interleaved, ``--repeats`` times each (memory, tiered, prefetch, memory, ...).
+Reported per system: ids/s of pull + push and ids per CPU-second (all threads), each the median over
+repeats of a process's median round; the ratios to ``memory`` per repeat; peak RSS (VmHWM) and its
+anonymous and file-backed parts at the end; the hit rate, disk traffic per step, and where the
+tiered steps' time goes (promotion reads, demotion writes and victim choice); the load average
+before each process.
 
     . .venv/bin/activate && python benchmarks/disk_tier_bench.py policies
     python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1     # the issue's target
@@ -187,6 +191,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         cold.write = _timed(timings, "disk write (demotion)", cold.write)  # type: ignore[method-assign]
         tiered._enforce_budget = _timed(timings, "demotion (victims + write)", tiered._enforce_budget)  # type: ignore[method-assign]
         tiered._promote = _timed(timings, "promotion (read + insert)", tiered._promote)  # type: ignore[method-assign]
+        tiered.prefetch = _timed(timings, "prefetch (issuing it)", tiered.prefetch)  # type: ignore[method-assign]
         table = tiered
     started = time.perf_counter()
     chunk = min(200_000, max(memory_rows // 4, 1))
@@ -200,16 +205,21 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
     grad = rng.standard_normal((args.batch, dim), dtype=np.float32)
     step = 1
 
+    prefetch = args.system == "prefetch"
+
     def round_of_steps() -> int:
         nonlocal step
-        batches = [zipf.batch(args.batch) for _ in range(args.steps)]  # fresh ids, drawn before timing
+        batches = [zipf.batch(args.batch) for _ in range(args.steps + 1)]  # drawn before timing
         wall, cpu = time.perf_counter(), time.process_time()
-        for batch in batches:
+        for index in range(args.steps):
+            batch = batches[index]
             step += 1
             table.pull(batch)
+            if prefetch:  # the next batch's ids are known (the planner has routed it)
+                tiered.prefetch(batches[index + 1])
             table.push(batch, grad[: batch.shape[0]], step=step)
         rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
-        return sum(batch.shape[0] for batch in batches)
+        return sum(batch.shape[0] for batch in batches[: args.steps])
 
     rounds: list[tuple[float, float]] = []
     for _ in range(args.warmup_rounds):  # the memory tier fills with the popular rows
@@ -245,72 +255,120 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
             promotions_per_step=(after["promotions"] - disk_before["promotions"]) / steps,
             demotions_per_step=(after["demotions"] - disk_before["demotions"]) / steps,
             disk_rows=after["disk_rows"],
+            disk_bytes=after["disk_bytes"],
+            relocations_per_step=(after["relocations"] - disk_before["relocations"]) / steps,
+            prefetch_hits_per_step=(after["prefetch_hits"] - disk_before["prefetch_hits"]) / steps,
             seconds_per_step={name: value / steps for name, value in timings.items()},
             step_seconds=sum(wall for wall, _ in rounds) / steps,
         )
     return result
 
 
+SYSTEMS = ("memory", "tiered", "prefetch")
+
+
+def _system_command(args: argparse.Namespace, system: str) -> list[str]:
+    command = [sys.executable, __file__, "system", "--system", system]
+    for name in (
+        "rows",
+        "dim",
+        "batch",
+        "steps",
+        "rounds",
+        "warmup_rounds",
+        "exponent",
+        "memory_gb",
+        "disk_dir",
+        "victim_sample",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    return command
+
+
 def run_scale(args: argparse.Namespace) -> None:
-    results = []
-    for system in ("memory", "tiered"):
-        command = [sys.executable, __file__, "system", "--system", system]
-        for name in (
-            "rows",
-            "dim",
-            "batch",
-            "steps",
-            "rounds",
-            "warmup_rounds",
-            "exponent",
-            "memory_gb",
-            "disk_dir",
-            "victim_sample",
-        ):
-            value = getattr(args, name)
-            if value is not None:
-                command += [f"--{name.replace('_', '-')}", str(value)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        results.append(json.loads(output.strip().splitlines()[-1]))
-    memory, tiered = results
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+    for _ in range(args.repeats):
+        for system in args.systems:
+            load = os.getloadavg()[0]
+            output = subprocess.run(
+                _system_command(args, system), check=True, capture_output=True, text=True
+            ).stdout
+            result = json.loads(output.strip().splitlines()[-1])
+            result["load"] = load
+            runs[system].append(result)
     gib = 2**30
+    first = runs[args.systems[0]][0]
+    tiered_runs = [run for system in args.systems if system != "memory" for run in runs[system]]
+    memory_rows = tiered_runs[0]["memory_rows"] if tiered_runs else first["memory_rows"]
+    loads = [run["load"] for system in args.systems for run in runs[system]]
     print(
         f"{args.rows:,} rows x dim {args.dim} (row-wise Adagrad, fp32), budget {args.memory_gb} GiB "
-        f"({tiered['memory_rows']:,} rows in memory), Zipf({args.exponent}), {memory['unique_ids_per_step']:,.0f} "
-        f"unique ids/step, {args.rounds} rounds x {args.steps} steps; load average {os.getloadavg()[0]:.1f}"
+        f"({memory_rows:,} rows in memory), Zipf({args.exponent}), {first['unique_ids_per_step']:,.0f} "
+        f"unique ids/step, {args.rounds} rounds x {args.steps} steps per process, {args.repeats} "
+        f"interleaved processes per system; load average {min(loads):.1f}-{max(loads):.1f}"
     )
     print(
         f"{'system':8s} {'ids/s':>10s} {'ids/CPU-s':>10s} {'peak RSS':>9s} {'-base':>7s} {'anon':>7s} "
         f"{'file':>7s} {'tables':>7s} {'fill s':>7s}"
     )
-    for result in results:
+    for system in args.systems:
+        results = runs[system]
+        last = results[-1]
         print(
-            f"{result['system']:8s} {result['ids_per_second']:10,.0f} {result['ids_per_cpu_second']:10,.0f} "
-            f"{result['VmHWM'] / gib:8.2f}G {(result['VmHWM'] - result['baseline_rss']) / gib:6.2f}G "
-            f"{result['RssAnon'] / gib:6.2f}G {result['RssFile'] / gib:6.2f}G {result['table_bytes'] / gib:6.2f}G "
-            f"{result['fill_seconds']:7.1f}"
+            f"{system:8s} {statistics.median(r['ids_per_second'] for r in results):10,.0f} "
+            f"{statistics.median(r['ids_per_cpu_second'] for r in results):10,.0f} "
+            f"{max(r['VmHWM'] for r in results) / gib:8.2f}G "
+            f"{max(r['VmHWM'] - r['baseline_rss'] for r in results) / gib:6.2f}G "
+            f"{last['RssAnon'] / gib:6.2f}G {last['RssFile'] / gib:6.2f}G {last['table_bytes'] / gib:6.2f}G "
+            f"{statistics.median(r['fill_seconds'] for r in results):7.1f}"
         )
-    for result in results:
+    for system in args.systems:
+        results = runs[system]
         print(
-            f"{result['system']}: peak RSS when filled {result['peak_after_fill'] / gib:.2f}G, baseline {result['baseline_rss'] / gib:.2f}G"
+            f"{system}: ids/s per process "
+            + " ".join(f"{r['ids_per_second']:,.0f}" for r in results)
+            + "; ids/CPU-s "
+            + " ".join(f"{r['ids_per_cpu_second']:,.0f}" for r in results)
+            + "; load before "
+            + " ".join(f"{r['load']:.1f}" for r in results)
+            + f"; peak RSS filled {max(r['peak_after_fill'] for r in results) / gib:.2f}G, "
+            f"base {max(r['baseline_rss'] for r in results) / gib:.2f}G"
         )
-    print(
-        f"tiered / memory: {tiered['ids_per_second'] / memory['ids_per_second']:.2f}x ids/s, "
-        f"{tiered['ids_per_cpu_second'] / memory['ids_per_cpu_second']:.2f}x ids per CPU-second"
-    )
-    for result in results:
+    if "memory" not in runs:
+        return
+    for system in args.systems:
+        if system == "memory":
+            continue
+        pairs = list(zip(runs["memory"], runs[system], strict=True))
+        wall = [run["ids_per_second"] / memory["ids_per_second"] for memory, run in pairs]
+        cpu = [run["ids_per_cpu_second"] / memory["ids_per_cpu_second"] for memory, run in pairs]
         print(
-            f"{result['system']} rounds (s): " + " ".join(f"{value:.2f}" for value in result["round_seconds"])
+            f"{system} / memory: {statistics.median(wall):.2f}x ids/s (per repeat "
+            + " ".join(f"{value:.2f}" for value in wall)
+            + f"), {statistics.median(cpu):.2f}x ids per CPU-second (per repeat "
+            + " ".join(f"{value:.2f}" for value in cpu)
+            + ")"
         )
-    print(
-        f"hit rate {tiered['hit_rate']:.3f}; per step: {tiered['promotions_per_step']:,.0f} promotions, "
-        f"{tiered['demotions_per_step']:,.0f} demotions, {tiered['disk_read_per_step'] / 2**20:.1f} MiB read, "
-        f"{tiered['disk_written_per_step'] / 2**20:.1f} MiB written"
-    )
-    parts = ", ".join(
-        f"{name} {seconds * 1e3:.1f} ms" for name, seconds in tiered["seconds_per_step"].items()
-    )
-    print(f"tiered step {tiered['step_seconds'] * 1e3:.1f} ms: {parts}")
+        results = runs[system]
+        middle = results[len(results) // 2]
+
+        def median(name: str, results: list[dict[str, Any]] = results) -> float:
+            return statistics.median(r[name] for r in results)
+
+        print(
+            f"{system}: hit rate {median('hit_rate'):.3f}; per step: {median('promotions_per_step'):,.0f} "
+            f"promotions ({median('prefetch_hits_per_step'):,.0f} from the prefetch), "
+            f"{median('demotions_per_step'):,.0f} demotions, {median('relocations_per_step'):,.0f} "
+            f"records moved by cleaning, {median('disk_read_per_step') / 2**20:.1f} MiB read, "
+            f"{median('disk_written_per_step') / 2**20:.1f} MiB written; file {middle['disk_bytes'] / gib:.2f} "
+            f"GiB for {middle['disk_rows']:,} rows on disk"
+        )
+        parts = ", ".join(
+            f"{name} {seconds * 1e3:.1f} ms" for name, seconds in middle["seconds_per_step"].items()
+        )
+        print(f"{system} step {middle['step_seconds'] * 1e3:.1f} ms (a middle process): {parts}")
 
 
 def main() -> None:
@@ -331,7 +389,9 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=0.2, help="scale: the tiered table's budget")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="scale: untimed rounds first")
-    parser.add_argument("--system", choices=["memory", "tiered"])
+    parser.add_argument("--system", choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="scale: systems")
+    parser.add_argument("--repeats", type=int, default=3, help="scale: interleaved processes per system")
     parser.add_argument(
         "--samples",
         type=int,

@@ -34,6 +34,7 @@ MAX_LOAD = 0.85
 INDEX_GROWTH = 1.2
 ROW_GROWTH = 1.0625
 LOOKUP_BLOCK = 64
+SHIFT_PREFETCH = 4  # slots ahead of a backward shift's probe whose stored ids are prefetched
 INDEX_SLOT_BYTES = 5  # uint8 tag + int32 row
 INDEX_SEED = 0x5EED_1DE5
 MAX_ROWS = 2**31 - 1
@@ -161,18 +162,25 @@ def _insert_kernel(
 def _remove_kernel(tags, slots, keys, ids, removed_rows, free_rows, free_count):  # pragma: no cover - numba
     """Remove each id that is present (backward-shift deletion); writes its freed row or -1.
 
-    Blocks of ids are hashed and their home tag/slot prefetched before the (sequential) removals,
-    which run in the order of `ids` as without the prefetches."""
+    Blocks of ids are hashed and their home tag/slot prefetched, then the stored id behind each home
+    slot, before the (sequential) removals, which run in the order of `ids` as without the
+    prefetches; the backward shift prefetches the stored ids a few slots ahead of its probe (each
+    moved entry's home needs its id)."""
     capacity = slots.shape[0]
     count = ids.shape[0]
     homes = np.empty(LOOKUP_BLOCK, dtype=np.int64)
     for i in range(count):
         if i % LOOKUP_BLOCK == 0:
-            for j in range(i, min(i + LOOKUP_BLOCK, count)):
+            end = min(i + LOOKUP_BLOCK, count)
+            for j in range(i, end):
                 home = fastrange32(hash_key(ids[j], INDEX_SEED), capacity)
                 homes[j - i] = home
                 prefetch(tags, home)
                 prefetch(slots, home)
+            for j in range(i, end):
+                row = slots[homes[j - i]]
+                if row >= 0:
+                    prefetch(keys, row)
         key = ids[i]
         hash_value = hash_key(key, INDEX_SEED)
         fingerprint = _fingerprint(hash_value)
@@ -195,6 +203,9 @@ def _remove_kernel(tags, slots, keys, ids, removed_rows, free_rows, free_count):
                         probe = 0
                     if tags[probe] == 0:
                         break
+                    ahead = probe + SHIFT_PREFETCH
+                    if ahead < capacity and tags[ahead] != 0:
+                        prefetch(keys, slots[ahead])
                     home = fastrange32(hash_key(keys[slots[probe]], INDEX_SEED), capacity)
                     if probe > empty:
                         can_move = home <= empty or home > probe

@@ -2,9 +2,11 @@
 
 ``planned_bytes_per_row`` is one in-memory row (payload, optimizer state, index and metadata);
 ``DISK_INDEX_BYTES_PER_ROW`` what a row on the disk tier still costs in memory (its slot in the
-disk tier's index, its stored id and ``[count, last step]``); ``disk_bytes_per_row`` its record in
-the slab file; ``memory_rows_for_budget`` how many rows fit in memory when the table holds
-``expected_rows`` in all and everything, the disk tier's index included, must fit ``budget_bytes``.
+disk tier's index, its stored id, ``[count, last step]`` and its slot in the file);
+``disk_bytes_per_row`` its record in the slab file, which holds up to ``DISK_SPACE_FACTOR`` slots
+per row (garbage of the log-structured slab: ``slab_log``); ``memory_rows_for_budget`` how many rows
+fit in memory when the table holds ``expected_rows`` in all and everything, the disk tier's index
+included, must fit ``budget_bytes``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,14 @@ import numpy as np
 
 from psrec.embedding.hash_index import INDEX_GROWTH, INDEX_SLOT_BYTES, MAX_LOAD, ROW_GROWTH
 from psrec.embedding.optimizers import STATE_LAYOUT
+from psrec.embedding.slab_log import CLEAN_MAX_LIVE
 
-# index slot (worst point of its growth cycle) + stored id + [count, last step], both grown by ROW_GROWTH
-DISK_INDEX_BYTES_PER_ROW = INDEX_SLOT_BYTES * INDEX_GROWTH / MAX_LOAD + 16 * ROW_GROWTH
+# index slot (worst point of its growth cycle) + stored id + [count, last step] + int32 file slot,
+# the per-row arrays grown by ROW_GROWTH
+DISK_INDEX_BYTES_PER_ROW = INDEX_SLOT_BYTES * INDEX_GROWTH / MAX_LOAD + 20 * ROW_GROWTH
+# file slots per row on disk at most: segments are cleaned once at most CLEAN_MAX_LIVE of them is
+# live, and the file grows by a quarter (disk_tier.SLAB_GROWTH) when none is
+DISK_SPACE_FACTOR = 1.25 / CLEAN_MAX_LIVE
 
 
 def planned_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> dict[str, float]:
@@ -37,9 +44,9 @@ def planned_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> dict[s
 
 
 def disk_bytes_per_row(dim: int, *, precision: str, optimizer: str) -> int:
-    """Bytes of one row's record in the disk tier's file (payload, state, metadata, checksum)."""
+    """Bytes of one row's record in the disk tier's file (payload, state, metadata, id, checksum)."""
     sizes = planned_bytes_per_row(dim, precision=precision, optimizer=optimizer)
-    content = int(sizes["payload"] + sizes["optimizer"]) + 8  # + [count, last step]
+    content = int(sizes["payload"] + sizes["optimizer"]) + 8 + 8  # + [count, last step] + id
     return (content + 7) // 8 * 8 + 8
 
 

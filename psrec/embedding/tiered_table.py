@@ -38,6 +38,7 @@ import numpy as np
 from psrec.embedding.disk_tier import DiskTier, RecordLayout
 from psrec.embedding.eviction import rows_to_evict
 from psrec.embedding.hash_index import ids_digest
+from psrec.embedding.slab_log import segment_rows_for
 from psrec.embedding.specs import TableSpec
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, spec_options
@@ -159,7 +160,7 @@ class TieredTable(EmbeddingTable):
         self.victim_sample = int(victim_sample)
         self._victim_rng = np.random.default_rng(self.seed)
         layout = RecordLayout(self.dim, precision=self.precision, optimizer=self.optimizer.name)
-        self._cold = DiskTier(disk_dir, layout, table=name)
+        self._cold = DiskTier(disk_dir, layout, table=name, segment_rows=segment_rows_for(self.memory_rows))
         if table_arguments.get("initial_rows") and populate:
             self._populate()
         self.hits = 0  # pulled ids found in memory
@@ -167,6 +168,7 @@ class TieredTable(EmbeddingTable):
         self.promotions = 0
         self.demotions = 0
         self.steps = 0  # training steps pushed (distinct step numbers in a row)
+        self.last_promotions = 0  # rows the last training pull that missed promoted
         self._pushed_step: int | None = None
 
     # ---------------------------------------------------------------------------------- tiers
@@ -251,12 +253,14 @@ class TieredTable(EmbeddingTable):
         if train:
             self.misses += missing
             self.hits += ids.shape[0] - missing
+            self.last_promotions = 0
         if missing and not train:
             return self._evaluation_rows(ids, rows, out)
         if missing:  # room first, for every id that may arrive (promoted or new)
             arriving = np.unique(ids[rows < 0])
             self._enforce_budget(protected=rows[rows >= 0], incoming=arriving.shape[0])
-            if self._cold.num_rows and self._promote(arriving):
+            self.last_promotions = self._promote(arriving) if self._cold.num_rows else 0
+            if self.last_promotions:  # a training pull: evaluation pulls returned above
                 positions = np.flatnonzero(rows < 0)
                 rows[positions], _ = self._index.lookup(ids[positions])
                 missing = int(np.count_nonzero(rows < 0))
@@ -279,6 +283,19 @@ class TieredTable(EmbeddingTable):
         out[~present] = self._initial_rows(ids[~present])
         return out
 
+    def prefetch(self, ids: np.ndarray) -> int:
+        """Start reading the cold rows among `ids` (the next batch's) on a background thread while the
+        caller computes; returns how many. The next training pull promotes them without waiting on
+        the disk for the ones still current; any row changed since is read again, so the results are
+        those without the prefetch."""
+        ids = self._check_ids(ids)
+        if self._cold.num_rows == 0 or ids.shape[0] == 0:
+            return 0
+        rows, missing = self._index.lookup(ids)
+        if not missing:
+            return 0
+        return self._cold.prefetch(np.unique(ids[rows < 0]))
+
     def _evaluation_rows(self, ids: np.ndarray, rows: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """An evaluation pull's rows: memory rows, cold rows read without promotion, else initial."""
         if out is None:
@@ -292,7 +309,7 @@ class TieredTable(EmbeddingTable):
         values = np.empty((unique.shape[0], self.dim), dtype=np.float32)
         values[~on_disk] = self._initial_rows(unique[~on_disk])
         if on_disk.any():
-            values[on_disk] = self._decode(self._cold.read(slots[on_disk]))
+            values[on_disk] = self._decode(self._cold.read(slots[on_disk], unique[on_disk]))
         out[absent] = values[inverse]
         return out
 
@@ -361,7 +378,7 @@ class TieredTable(EmbeddingTable):
         if since_clock is not None:
             ids = ids[last_step >= since_clock]
         slots = self._cold.lookup(ids)
-        return _nested(self._cold.read(slots))
+        return _nested(self._cold.read(slots, ids))
 
     def export_state(self) -> TableState:
         state = super().export_state()
@@ -440,6 +457,8 @@ class TieredTable(EmbeddingTable):
             "demotions": self.demotions,
             "disk_bytes_read": self._cold.bytes_read,
             "disk_bytes_written": self._cold.bytes_written,
+            "relocations": self._cold.relocations,
+            "prefetch_hits": self._cold.prefetch_hits,
             "steps": self.steps,
         }
 

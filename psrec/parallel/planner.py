@@ -31,10 +31,11 @@ e.g. dim 128 fp32 with row-wise Adagrad: 1.125 * (512 + 4 + 16) + 7.8 = 606 byte
 assume ids spread evenly over buckets (the splitmix64 bucket hash makes them so).
 
 Disk tier (``TableSize.memory_rows``, docs/disk_tier.md): a table keeps that many rows in memory
-(all devices together) at the cost above; each other row costs ``DISK_INDEX_BYTES_PER_ROW`` (24) in
-memory, for the disk tier's index; on the device's disk every row of the table takes a record
-(``disk_bytes_per_row``: payload, optimizer state, metadata and checksum; a promoted row keeps its
-slot), checked against ``Devices.disk_bytes`` when given.
+(all devices together) at the cost above; each other row costs ``DISK_INDEX_BYTES_PER_ROW`` (28) in
+memory, for the disk tier's index; on the device's disk every row of the table takes up to
+``DISK_SPACE_FACTOR`` (2.5) records (``disk_bytes_per_row``: payload, optimizer state, metadata, id
+and checksum; the log-structured slab's garbage included), checked against ``Devices.disk_bytes``
+when given.
 `plan_disk_tier` chooses ``memory_rows`` for every table so that the tables fit the devices' memory
 (for row-wise tables): the smallest tables whole, the same fraction of each larger one, as much as fits.
 
@@ -55,7 +56,7 @@ from typing import Literal
 import numpy as np
 
 from psrec.embedding.optimizers import STATE_LAYOUT
-from psrec.embedding.sizes import DISK_INDEX_BYTES_PER_ROW, disk_bytes_per_row
+from psrec.embedding.sizes import DISK_INDEX_BYTES_PER_ROW, DISK_SPACE_FACTOR, disk_bytes_per_row
 from psrec.ps.routing import default_bucket_map
 
 Strategy = Literal["ps", "collective"]
@@ -130,9 +131,10 @@ class TableSize:
 
     @property
     def disk_bytes(self) -> float:
-        """Disk: a record for every row once any is on disk (promoted rows keep their slot)."""
+        """Disk: up to ``DISK_SPACE_FACTOR`` records for every row once any is on disk (promoted
+        rows leave garbage behind until their segment is cleaned)."""
         record = disk_bytes_per_row(self.dim, precision=self.precision, optimizer=self.optimizer)
-        return float(self.rows * record) if self.hot_rows < self.rows else 0.0
+        return float(self.rows * record * DISK_SPACE_FACTOR) if self.hot_rows < self.rows else 0.0
 
 
 @dataclass(frozen=True)

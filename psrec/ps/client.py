@@ -82,6 +82,9 @@ class LocalConnection:
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return _Done(self.shard.push(trainer, request_id, step, gradients))
 
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int:
+        return self.shard.prefetch(requests)
+
 
 @dataclass(frozen=True)
 class RoutedIds:
@@ -262,6 +265,23 @@ class EmbeddingClient:
             else:
                 pulled.handles.append(connection.pull(requests, train=train, request=request))
         return pulled
+
+    def prefetch(self, routing: RoutedIds) -> int:
+        """Tell the shards in this process the ids of a coming training pull, so those with a disk
+        tier read its cold rows ahead (`ParameterShard.prefetch`); returns the rows being read.
+        Shards behind other connections are not told (their pulls read on demand)."""
+        routing = self.current(routing)
+        pairs = self.tables_of(routing)
+        reading = 0
+        for shard, connection in enumerate(self.connections):
+            if isinstance(connection, LocalConnection):
+                requests = {
+                    name: routing.routed[source].ids_per_shard[shard]
+                    for name, source in pairs
+                    if routing.routed[source].ids_per_shard[shard].size
+                }
+                reading += connection.prefetch(requests)
+        return reading
 
     def collect_pull(self, routing: RoutedIds, request: PullRequest) -> PulledRows:
         routing = request.routing or routing

@@ -23,7 +23,7 @@ from psrec.embedding import (
     TableSpec,
 )
 from psrec.embedding.disk_tier import DiskTierError, check_disk_dir
-from psrec.embedding.sizes import disk_bytes_per_row, memory_rows_for_budget
+from psrec.embedding.sizes import DISK_SPACE_FACTOR, disk_bytes_per_row, memory_rows_for_budget
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
@@ -78,12 +78,11 @@ def storage_spec(name: str, config: TableConfig, *, shard_rows: int) -> StorageS
             )
         except ValueError as error:
             raise ConfigError(f"{where}: memory_gb {storage.memory_gb}: {error}") from None
-    disk_rows = shard_rows if shard_rows > memory_rows else 0  # promoted rows keep their slot
-    try:
+    disk_rows = shard_rows if shard_rows > memory_rows else 0  # every row may come to be on disk
+    record = disk_bytes_per_row(dim, precision=precision, optimizer=optimizer)
+    try:  # the log-structured file's garbage included
         directory = check_disk_dir(
-            storage.disk_dir,
-            table=name,
-            needed_bytes=disk_rows * disk_bytes_per_row(dim, precision=precision, optimizer=optimizer),
+            storage.disk_dir, table=name, needed_bytes=int(disk_rows * record * DISK_SPACE_FACTOR)
         )
     except DiskTierError as error:
         raise ConfigError(str(error)) from None

@@ -286,6 +286,9 @@ class BatchLookup:
     def submit_pull(self, plan: LookupPlan, *, train: bool = True, request: int | None = None) -> PullRequest:
         return self.client.submit_pull(plan.routing, train=train, request=request)
 
+    def prefetch(self, plan: LookupPlan) -> int:
+        return self.client.prefetch(plan.routing)
+
     def collect_pull(self, plan: LookupPlan, request: PullRequest) -> PulledRows:
         return self.client.collect_pull(plan.routing, request)
 

@@ -24,6 +24,9 @@ Task parallelism (the step's stages overlap, none of it changes a result):
 - **input + routing**: a planner thread reads the next batches and routes them (dedup, per-shard
   split) while the current step computes; it takes exactly the batches `run` will train on, so the
   reader's position stays exact for checkpoints;
+- **next batch's cold rows**: with one trainer, once a step's rows are pulled and the next batch
+  is already routed, its ids go to the shards in this process (`EmbeddingClient.prefetch`), whose
+  disk tiers read its cold rows on a background thread during the step;
 - **next pull**: the next batch's pull is submitted as early as exactness allows: right after this
   step's push with one trainer (per-caller order puts it behind the push) and in async mode, right
   after the dense allreduce with N sync trainers (the allreduce proves every push of the step was
@@ -82,7 +85,8 @@ class _Planner:
     planner read ahead. Exceptions of the reader (bad rows, I/O) are re-raised in the consumer,
     with their own type. `close` stops the thread and waits for it, so the reader is never used by
     two threads at once. With a gate, `next` is called by the trainer holding it; when no batch is
-    ready, the trainer gives its hold up while it waits, so the input threads run then.
+    ready, the trainer gives its hold up while it waits, so the input threads run then. `peek`
+    shows the next item when it is ready, without waiting and without taking it.
     """
 
     def __init__(
@@ -108,9 +112,36 @@ class _Planner:
                 yield batch, plan, after
 
         self._plans = BackgroundIterator(plans, depth=2, name="psrec-planner", gate=gate)
+        self._peeked: tuple[Batch, LookupPlan, Any] | None = None
+        self._peeked_end = False
+        self._peeked_error: Exception | None = None
+
+    def peek(self) -> tuple[Batch, LookupPlan, Any] | None:
+        """The item `next` returns next if it is ready now, else None (never waits); an error of
+        the reader is kept for `next` to raise."""
+        if (
+            self._peeked is None
+            and not self._peeked_end
+            and self._peeked_error is None
+            and self._plans.ready()
+        ):
+            try:
+                self._peeked = next(self._plans, None)
+            except Exception as error:  # noqa: BLE001 - raised by `next`, when its batch is due
+                self._peeked_error = error
+            self._peeked_end = self._peeked is None and self._peeked_error is None
+        return self._peeked
 
     def next(self) -> tuple[Batch, LookupPlan, Any] | None:
         """The next routed batch and the reader position after it, or None once the reader ran out."""
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+            return item
+        if self._peeked_error is not None:
+            error, self._peeked_error = self._peeked_error, None
+            raise error
+        if self._peeked_end:
+            return None
         if self._gate is not None and not self._plans.ready():
             with self._gate.released():
                 return next(self._plans, None)
@@ -178,6 +209,13 @@ class StepRunner:
         ahead.append(_Prefetched(batch, plan, request, position))
         self.timer.add("pull", start)
         return True
+
+    def _prefetch_next(self, planner: _Planner) -> None:
+        """Tell the shards the next batch's ids when it is already routed, so a disk tier reads its
+        cold rows while this step computes (`EmbeddingClient.prefetch`; no result changes)."""
+        item = planner.peek()
+        if item is not None:
+            self.client.prefetch(item[1])
 
     def _holding_input(self) -> contextlib.AbstractContextManager[None]:
         return self.input_gate.held() if self.input_gate is not None else contextlib.nullcontext()
@@ -248,6 +286,8 @@ class StepRunner:
                     current = ahead.popleft()
                     start = time.perf_counter()
                     pulled = self.client.collect_pull(current.plan, current.request)
+                    if not ahead and self.world_size == 1:
+                        self._prefetch_next(planner)
                     self.timer.add("pull", start)
                     result = self._train(current.batch, current.plan, pulled, step, submit_next)
                     self.trained_position = current.position

@@ -86,8 +86,9 @@ def _corrupt_first_record(table: TieredTable, *, offset: int, data: bytes) -> in
     return int(ids[0])
 
 
+@pytest.mark.parametrize("prefetched", [False, True])
 @pytest.mark.parametrize("damage", ["bit_flip", "torn"])
-def test_damaged_record_is_never_returned(tmp_path, damage):
+def test_damaged_record_is_never_returned(tmp_path, damage, prefetched):
     table = tiered(tmp_path)
     fill(table)
     layout = table._cold.layout
@@ -96,6 +97,8 @@ def test_damaged_record_is_never_returned(tmp_path, damage):
     else:  # the second half of a record from an older write: zeros where the new bytes never landed
         half = layout.record_bytes // 2
         victim = _corrupt_first_record(table, offset=half, data=bytes(layout.record_bytes - half))
+    if prefetched:  # read ahead, the damaged record is read again on demand and fails there
+        assert table.prefetch(np.array([victim], dtype=np.int64)) == 1
     with pytest.raises(RuntimeError, match=f"corrupt record.*first: id {victim}.*restore the shard"):
         table.pull(np.array([victim], dtype=np.int64))
     with pytest.raises(RuntimeError, match="corrupt record"):
@@ -115,6 +118,7 @@ def test_record_layout_round_trip():
         "optimizer_state/step": np.array([1, 2, 3], dtype=np.int32),
         "counts": np.array([4, 5, 6], dtype=np.uint32),
         "last_step": np.array([7, 8, 9], dtype=np.uint32),
+        "ids": np.array([-5, 0, 2**62], dtype=np.int64),
     }
     records = layout.pack(values)
     assert not layout.corrupt(records).any()

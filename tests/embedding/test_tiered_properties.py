@@ -93,6 +93,13 @@ class TieredMachine(RuleBasedStateMachine):
         self.tiered.push(ids, grads, step=self.step)
 
     @rule(keys=KEY_LISTS)
+    def prefetch(self, keys) -> None:
+        """Read ahead on the tiered table only: whatever happens to those rows before the next pull
+        (promoted, updated, demoted to a reused segment, removed, restored), results stay the
+        oracle's."""
+        self.tiered.prefetch(np.unique(np.array(keys, dtype=np.int64)))
+
+    @rule(keys=KEY_LISTS)
     def remove(self, keys) -> None:
         ids = np.unique(np.array(keys, dtype=np.int64))
         assert self.tiered.remove(ids) == self.oracle.remove(ids)

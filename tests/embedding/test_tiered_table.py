@@ -234,8 +234,9 @@ def test_stats_count_the_traffic(tmp_path):
     assert stats["memory_rows"] + stats["disk_rows"] == tiered.num_rows
     assert stats["pull_hits"] + stats["pull_misses"] == 10 * 48
     record = tiered._cold.layout.record_bytes
-    assert stats["disk_bytes_written"] == stats["demotions"] * record
+    assert stats["disk_bytes_written"] == (stats["demotions"] + stats["relocations"]) * record
     assert stats["disk_bytes_read"] >= stats["promotions"] * record
+    assert stats["prefetch_hits"] == 0  # nothing prefetched
     assert tiered.memory_bytes()["disk_index"] > 0
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from psrec.config import ConfigError
+from psrec.ps import shard as shard_module
 from psrec.train.loop import train
 from tests.conftest import small_run_config
 
@@ -118,6 +119,10 @@ def _assert_tier_rates(summary: dict[str, Any]) -> None:
             assert stats[f"{count}_per_step"] == pytest.approx(stats[count] / stats["steps"]), (name, count)
     assert max(stats["steps"] for stats in tables.values()) == summary["steps"]
     assert any(stats["promotions_per_step"] > 0 for stats in tables.values())
+    # the trainer told the in-process shards each next batch's ids: promotions came from prefetches
+    assert sum(stats["prefetch_hits"] for stats in tables.values()) > 0
+    for stats in tables.values():
+        assert stats["prefetch_hits"] <= stats["promotions"]
 
 
 def _serving_tables(run_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -127,10 +132,12 @@ def _serving_tables(run_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {name: (table.ids, table.values()) for name, table in tables.items()}
 
 
-def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path):
+def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path, monkeypatch):
     """The serving tables exported from a run whose rows mostly lived on disk equal those of the
-    in-memory run, id for id and bit for bit; summary.json carries the tiers' per-step rates."""
+    in-memory run, id for id and bit for bit; summary.json carries the tiers' per-step rates, and
+    the trainer's prefetches of each next batch's cold rows served promotions."""
     options = {"checkpoint.every_steps": 10}
+    monkeypatch.setattr(shard_module, "PREFETCH_MIN_ROWS", 1)  # this run's tables promote a few rows a step
     plain = train(small_run_config(synthetic_sources, tmp_path / "plain", **options))
     tiered = train(
         small_run_config(synthetic_sources, tmp_path / "tiered", **options, **_storage(tmp_path / "d"))

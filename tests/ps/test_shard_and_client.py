@@ -131,3 +131,32 @@ def test_a_table_without_gradients_pushes_zeros_and_every_shard_gets_the_push() 
     assert [s.applied_step for s in shards] == [0, 0]
     client.push(routing, lambda name: None, step=0)  # a retry of the same step: dropped everywhere
     assert [s.pushes_dropped for s in shards] == [1, 1]
+
+
+def test_shard_prefetches_only_disk_tier_tables_whose_pulls_promote_enough(tmp_path, monkeypatch):
+    """`ParameterShard.prefetch` reads ahead in a TieredTable whose last training pull promoted at
+    least PREFETCH_MIN_ROWS rows, not in one below it nor in an in-memory table; a prefetched pull
+    returns the rows of a pull without it."""
+    from psrec.embedding import EmbeddingTable, SparseOptimizerSpec, TieredTable
+    from psrec.ps import shard as shard_module
+
+    monkeypatch.setattr(shard_module, "PREFETCH_MIN_ROWS", 50)
+    optimizer = SparseOptimizerSpec("sgd", lr=0.1)
+    tables = {
+        "big": TieredTable("big", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer),
+        "small": TieredTable("small", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer),
+        "plain": EmbeddingTable("plain", 4, optimizer=optimizer),
+    }
+    oracle = TieredTable("big", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer)
+    shard = shard_module.ParameterShard(0, tables)
+    many, few = np.arange(200, dtype=np.int64), np.arange(30, dtype=np.int64)
+    for step in (1, 2):  # the second pull promotes what the first push demoted
+        shard.pull({"big": many, "small": few, "plain": few})
+        oracle.pull(many)
+        for table, ids in ((tables["big"], many), (tables["small"], few), (oracle, many)):
+            table.push(ids, np.ones((ids.shape[0], 4), np.float32), step=step)
+    assert tables["big"].last_promotions >= 50 > tables["small"].last_promotions
+    assert shard.prefetch({"big": many, "small": few, "plain": few}) > 0
+    assert tables["small"]._cold._prefetch is None
+    assert shard.pull({"big": many})["big"].tobytes() == oracle.pull(many).tobytes()
+    assert tables["big"].tier_stats()["prefetch_hits"] > 0

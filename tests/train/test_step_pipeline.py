@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -181,3 +181,31 @@ def test_reader_errors_reach_the_caller_with_their_type(
         for result in runner.run(source, first_step=0, max_steps=10):
             steps.append(result.step)
     assert steps == [0, 1]
+
+
+def test_planner_peek_shows_the_next_item_without_taking_it() -> None:
+    """`peek` returns the item `next` returns next (once it is ready), never skips or repeats one,
+    and keeps a reader error for `next` to raise when its batch is due."""
+    import time
+
+    from psrec.train.step import PhaseTimer, _Planner
+
+    class Plans:
+        def plan(self, batch: Any) -> Any:
+            return ("plan", batch)
+
+    source = _Counting(cast(list[Batch], ["a", "b"]), fail_at=2)
+    planner = _Planner(source, cast(Any, Plans()), PhaseTimer(), position=lambda: source.taken)
+    deadline = time.monotonic() + 10
+    while planner.peek() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert planner.peek() == ("a", ("plan", "a"), 1)
+    assert planner.next() == ("a", ("plan", "a"), 1)
+    assert planner.next() == ("b", ("plan", "b"), 2)
+    deadline = time.monotonic() + 10
+    while not planner._plans.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert planner.peek() is None  # the reader failed: nothing to show, the error kept
+    with pytest.raises(BadRowError, match="train.csv"):
+        planner.next()
+    planner.close()
