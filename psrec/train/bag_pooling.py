@@ -12,11 +12,6 @@ and bag (f, b) is ``index[offsets[f, b]:offsets[f, b + 1]]``. One kernel pools e
 batch into the (B, F, D) model input, in parallel over samples (each sample's output rows belong to
 one thread), instead of one ``embedding_bag`` per feature and a ``stack``.
 
-With the bags also in sample-major order (`sample_major_bags`: bag (f, b) is bag b * F + f, in the
-planner thread ahead of the step, `LookupPlan.bag_sample_major`), the forward is PyTorch's
-``embedding_bag`` forward on that layout (its FBGEMM kernel, 0.75x the numba kernel's CPU time at 50
-ids per bag), whose (B * F, D) output is the (B, F, D) input as it is.
-
 The backward is the transposed sum, ``grad_rows[r] = sum over ids i of row r of grad[b, f] (/ len)``.
 A scatter (``grad_rows[index[i]] += grad[b, f]`` for every id) reads and writes a random row per
 id, and the rows of bag features outgrow the cache (350k unique rows of dim 64 are 90 MB); so the
@@ -150,34 +145,6 @@ def transpose_bags(index: np.ndarray, offsets: np.ndarray, num_rows: int) -> tup
     return row_starts, owners
 
 
-@numba.njit(cache=True, nogil=True)
-def _sample_major_kernel(
-    index: np.ndarray, offsets: np.ndarray, out: np.ndarray, out_offsets: np.ndarray
-) -> None:
-    """out = the ids of bag (f, b) at bag b * F + f, out_offsets their (B * F + 1) starts."""
-    features, batch = offsets.shape[0], offsets.shape[1] - 1
-    position = 0
-    out_offsets[0] = 0
-    for b in range(batch):
-        for f in range(features):
-            for i in range(offsets[f, b], offsets[f, b + 1]):
-                out[position] = index[i]
-                position += 1
-            out_offsets[b * features + f + 1] = position
-
-
-def sample_major_bags(index: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (N,), starts (B * F + 1,)): the bags of `index` / `offsets` (F, B + 1) in sample-major
-    order, bag (f, b) at ``ids[starts[b * F + f]:starts[b * F + f + 1]]`` (PyTorch's embedding_bag
-    layout of the (B, F, D) output). Computed once per batch, ahead of the step, by the lookup plan."""
-    features, batch = offsets.shape[0], offsets.shape[1] - 1
-    total = int(sum(offsets[f, batch] - offsets[f, 0] for f in range(features)))
-    ids = np.empty(total, dtype=np.int64)
-    starts = np.empty(batch * features + 1, dtype=np.int64)
-    _sample_major_kernel(index, offsets, ids, starts)
-    return ids, starts
-
-
 @numba.njit(cache=True, nogil=True, parallel=True)
 def _gather_gradients(
     out: np.ndarray,
@@ -253,20 +220,11 @@ class _PoolBags(torch.autograd.Function):
         mean: bool,
         dtype: torch.dtype,
         transposed: tuple[np.ndarray, np.ndarray] | None,
-        sample_major: tuple[np.ndarray, np.ndarray] | None,
     ) -> torch.Tensor:
         ctx.index, ctx.offsets, ctx.mean, ctx.transposed = index, offsets, mean, transposed
         ctx.num_rows = rows.shape[0]
-        features, batch = offsets.shape[0], offsets.shape[1] - 1
-        if sample_major is not None and (
-            index.size == 0 or (index.min() >= 0 and index.max() < rows.shape[0])
-        ):
-            ids, starts = (torch.from_numpy(array) for array in sample_major)
-            pooled = torch.ops.aten._embedding_bag_forward_only(
-                rows.detach(), ids, starts, False, 1 if mean else 0, False, None, True
-            )[0]  # (B * F, D) float32, bags in sample-major order
-            return pooled.view(batch, features, rows.shape[1]).to(dtype)
         source = rows.detach().numpy()
+        features, batch = offsets.shape[0], offsets.shape[1] - 1
         out = torch.empty(batch, features, rows.shape[1], dtype=dtype)
         bad = np.zeros(batch, dtype=np.uint8)
         kernel = _pool_bfloat16 if dtype == torch.bfloat16 else _pool_float32
@@ -280,9 +238,7 @@ class _PoolBags(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(
-        ctx: Any, grad: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
         row_starts, owners = ctx.transposed or transpose_bags(ctx.index, ctx.offsets, ctx.num_rows)
@@ -296,7 +252,7 @@ class _PoolBags(torch.autograd.Function):
                 _gather_gradients(
                     out.numpy(), row_starts, owners, ctx.offsets, whole.numpy(), first, ctx.mean
                 )
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def pool_bags(
@@ -307,7 +263,6 @@ def pool_bags(
     mode: str = "sum",
     dtype: torch.dtype = torch.float32,
     transposed: tuple[np.ndarray, np.ndarray] | None = None,
-    sample_major: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """(B, F, D) pooled bags (see the module docstring), differentiable in `rows`.
 
@@ -315,9 +270,7 @@ def pool_bags(
     (F, B + 1) int64, bag (f, b) = ``index[offsets[f, b]:offsets[f, b + 1]]`` (non-decreasing along
     b); `mode` "sum" or "mean"; `dtype` float32 or bfloat16 (the output; gradients sum in float32);
     `transposed` the backward's layout (`transpose_bags`) when already computed (else the backward
-    computes it); `sample_major` the same bags in sample-major order (`sample_major_bags`), when
-    already computed: the forward is then PyTorch's embedding_bag kernel (an index out of range
-    falls back to the numba kernel, which names the sample).
+    computes it).
     """
     if mode not in MODES:
         raise ValueError(f"pool_bags: mode must be one of {MODES}, not {mode!r}")
@@ -337,15 +290,5 @@ def pool_bags(
         raise ValueError(
             f"pool_bags: transposed is for {transposed[0].shape[0] - 1} rows, not {rows.shape[0]}"
         )
-    if sample_major is not None and (
-        sample_major[1].shape != (offsets.size - offsets.shape[0] + 1,)
-        or sample_major[0].shape != index.shape
-    ):
-        raise ValueError(
-            f"pool_bags: sample_major holds {sample_major[0].shape[0]} ids in {sample_major[1].shape[0] - 1} "
-            f"bags, not {index.shape[0]} in {offsets.size - offsets.shape[0]}"
-        )
-    result: torch.Tensor = _PoolBags.apply(
-        rows, index, offsets, mode == "mean", dtype, transposed, sample_major
-    )
+    result: torch.Tensor = _PoolBags.apply(rows, index, offsets, mode == "mean", dtype, transposed)
     return result

@@ -41,7 +41,7 @@ from psrec.ps.client import (
     fused_key,
     linear_table_name,
 )
-from psrec.train.bag_pooling import pool_bags, sample_major_bags, transpose_bags
+from psrec.train.bag_pooling import pool_bags, transpose_bags
 from psrec.train.pooling import gather_rows
 
 
@@ -73,8 +73,6 @@ class LookupPlan:
     bag_offsets: np.ndarray | None = None
     # ... and the backward's layout of those ids, sorted by row (`bag_pooling.transpose_bags`)
     bag_transposed: tuple[np.ndarray, np.ndarray] | None = None
-    # ... and the forward's: the bags in sample-major order (`bag_pooling.sample_major_bags`)
-    bag_sample_major: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def unique_ids(self) -> dict[str, np.ndarray]:
@@ -255,12 +253,8 @@ class BatchLookup:
             starts = bag_offsets[f, :-1] - at[f]
             pooled.append(FeatureIndex(key, table, inverse[at[f] : at[f] + size], starts, None, False))
         num_rows = sum(ids.size for ids in routing.unique_ids.values())
-        # both layouts here, in the planner thread
-        transposed = transpose_bags(inverse, bag_offsets, num_rows)
-        sample_major = sample_major_bags(inverse, bag_offsets)
-        return LookupPlan(
-            replace(routing, fused=True), pooled, [], b, None, inverse, bag_offsets, transposed, sample_major
-        )
+        transposed = transpose_bags(inverse, bag_offsets, num_rows)  # here, in the planner thread
+        return LookupPlan(replace(routing, fused=True), pooled, [], b, None, inverse, bag_offsets, transposed)
 
     def _features(self, batch: Batch) -> tuple[list[_Feature], dict[str, np.ndarray]]:
         """Every pooled feature and sequence of `batch` with its table, and the sequences' ids."""
@@ -329,18 +323,10 @@ class BatchLookup:
             assert plan.bag_index is not None
             # Every feature's bags pooled by one kernel from the one buffer (psrec.train.bag_pooling).
             bags = (plan.bag_index, plan.bag_offsets)
-            transposed, sample_major = plan.bag_transposed, plan.bag_sample_major
-            pooled = pool_bags(
-                leaves.fused["rows"],
-                *bags,
-                dtype=pooled_dtype,
-                transposed=transposed,
-                sample_major=sample_major,
-            )
+            transposed = plan.bag_transposed
+            pooled = pool_bags(leaves.fused["rows"], *bags, dtype=pooled_dtype, transposed=transposed)
             if linear_terms:
-                linear = pool_bags(
-                    leaves.fused["linear"], *bags, transposed=transposed, sample_major=sample_major
-                ).squeeze(-1)
+                linear = pool_bags(leaves.fused["linear"], *bags, transposed=transposed).squeeze(-1)
         elif plan.pooled:
             pooled = _pool(leaves, plan.pooled, b, lambda table: table)  # (B, F, D)
             if linear_terms:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from psrec.train.bag_pooling import pool_bags, sample_major_bags, transpose_bags
+from psrec.train.bag_pooling import pool_bags, transpose_bags
 
 
 def _bags(
@@ -143,47 +143,3 @@ def test_a_precomputed_transpose_gives_the_same_gradients() -> None:
     )
     with pytest.raises(ValueError, match="transposed is for 15 rows"):
         pool_bags(torch.zeros(9, 16), index % 9, offsets, transposed=(row_starts, owners))
-
-
-def test_sample_major_bags_reorder_the_bags_sample_by_sample() -> None:
-    rng = np.random.default_rng(5)
-    index, offsets, ids, starts = _bags(rng, 11, 3, 20, max_length=5)
-    got_ids, got_starts = sample_major_bags(index, offsets)
-    bags = [ids[f][starts[f][b] : starts[f][b] + np.diff(offsets[f])[b]] for b in range(11) for f in range(3)]
-    np.testing.assert_array_equal(got_ids, np.concatenate(bags))  # bag (f, b) at b * F + f
-    np.testing.assert_array_equal(got_starts, np.concatenate([[0], np.cumsum([bag.size for bag in bags])]))
-
-
-@pytest.mark.parametrize("mode", ["sum", "mean"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_sample_major_forward_equals_embedding_bag(mode: str, dtype: torch.dtype) -> None:
-    rng = np.random.default_rng(6)
-    batch, features, num_rows, dim = 21, 4, 30, 16
-    index, offsets, ids, starts = _bags(rng, batch, features, num_rows, max_length=9)
-    weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
-    rows = weight.clone().requires_grad_()
-    out = pool_bags(
-        rows, index, offsets, mode=mode, dtype=dtype, sample_major=sample_major_bags(index, offsets)
-    )
-    expected, bag = _oracle(weight, ids, starts, mode)
-    assert out.dtype == dtype and out.shape == (batch, features, dim)
-    torch.testing.assert_close(out.float(), expected.to(dtype).float(), rtol=2**-7, atol=1e-6)
-    assert (out[: batch // 4, 1] == 0).all()  # feature 1's empty bags pool to zero
-    # bf16-representable, so a bf16 output's gradient (bf16) carries it exactly
-    upstream = torch.from_numpy(rng.normal(size=(batch, features, dim)).astype(np.float32)).bfloat16().float()
-    (out.float() * upstream).sum().backward()
-    (expected * upstream).sum().backward()
-    assert rows.grad is not None and bag.weight.grad is not None
-    torch.testing.assert_close(rows.grad, bag.weight.grad, rtol=1e-5, atol=1e-5)
-
-
-def test_the_sample_major_forward_refuses_bad_input_with_its_reason() -> None:
-    rows = torch.zeros(4, 16)
-    offsets = np.array([[0, 1, 2]])
-    index = np.array([0, 4])
-    with pytest.raises(IndexError, match="sample 1 .* 4 rows"):
-        pool_bags(rows, index, offsets, sample_major=sample_major_bags(index, offsets))
-    with pytest.raises(ValueError, match="sample_major holds 2 ids in 2 bags, not 2 in 3"):
-        pool_bags(
-            torch.zeros(4, 16), np.array([0, 1]), np.array([[0, 1, 1, 2]]), sample_major=(index, np.zeros(3))
-        )
