@@ -6,6 +6,7 @@
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
     psrec bench --report out.json --profile                # print a saved report again
     psrec bench --multi-hot 8:50:variable --rows 65536     # + 8 bag features, 0-100 ids each (mean 50)
+    psrec bench --multi-hot 8:50 --sparse-lr 0.005         # every system's tables at another learning rate
 
 Systems: a pytorch + pytorch-bf16, b torchrec + torchrec-bf16, c psrec + psrec-bf16, d psrec-ray,
 e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wise Adagrad, as psrec
@@ -57,6 +58,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
     parser.add_argument(
+        "--sparse-lr",
+        type=_positive,
+        default=Workload.sparse_lr,
+        help="row-wise Adagrad learning rate of every system's tables",
+    )
+    parser.add_argument(
         "--multi-hot",
         metavar="FEATURES:POOLING[:fixed|variable]",
         type=_multi_hot,
@@ -82,6 +89,17 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _positive(text: str) -> float:
+    """A learning rate: a number > 0, or argparse's error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def _multi_hot(spec: str) -> tuple[int, int, str]:
     """--multi-hot's value, or argparse's error naming the option and the expected form."""
     try:
@@ -90,15 +108,10 @@ def _multi_hot(spec: str) -> tuple[int, int, str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def run(args: argparse.Namespace) -> int:
-    from psrec.bench.harness import run_bench
-    from psrec.bench.tf_system import PYTHON_VARIABLE
-
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The `Workload` of a `psrec bench` command line."""
     multi_hot = args.multi_hot or (0, 1, "fixed")
-    if args.tf_python:
-        os.environ[PYTHON_VARIABLE] = args.tf_python  # the isolated system processes inherit it
-
-    workload = Workload(
+    return Workload(
         dim=args.dim,
         batch_size=args.batch_size,
         train_rows=args.rows,
@@ -107,10 +120,21 @@ def run(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup,
         steps=args.steps,
         threads=args.threads,
+        sparse_lr=args.sparse_lr,
         multi_hot_features=multi_hot[0],
         pooling_factor=multi_hot[1],
         bag_lengths=multi_hot[2],
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from psrec.bench.harness import run_bench
+    from psrec.bench.tf_system import PYTHON_VARIABLE
+
+    if args.tf_python:
+        os.environ[PYTHON_VARIABLE] = args.tf_python  # the isolated system processes inherit it
+
+    workload = workload_from_args(args)
 
     def progress(round_index: int, result: dict[str, Any]) -> None:
         if "samples_per_second" in result:

@@ -219,34 +219,26 @@ def torchrec_unavailable() -> str | None:
     return None
 
 
-def run_torchrec(
-    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, fp16_rows: bool = False
-) -> dict[str, Any]:
-    reason = torchrec_unavailable()
-    if reason is not None:
-        return {"skipped": reason}
+def torchrec_collection(workload: Workload, sizes: list[int], *, fp16_rows: bool = False) -> Any:
+    """TorchRec's ``FusedEmbeddingBagCollection`` of one table per feature (C1.., row counts `sizes`),
+    row-wise Adagrad fused into backward, rows uniform in [-init_scale, init_scale] as psrec's and
+    plain PyTorch's. The fused collection ignores ``EmbeddingBagConfig.init_fn`` (its FBGEMM tables
+    start uniform in +-sqrt(1 / rows): +-0.003 for 100k rows), so the rows are written after it is
+    built; its parameters are views of the fused tables."""
     import torchrec
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
     from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    set_threads(workload.threads)
-    torch.manual_seed(workload.seed)
-    model = build_dlrm(workload)  # first after seeding: the same dense init as psrec's trainer
-    train, validation, sizes = _inputs(workload, sources)
-    keys = [f"C{i + 1}" for i in range(len(sizes))]
-    scale = workload.init_scale
     tables = [
         EmbeddingBagConfig(
-            name=f"t_{key}",
+            name=f"t_C{i + 1}",
             embedding_dim=workload.dim,
             num_embeddings=size,
-            feature_names=[key],
+            feature_names=[f"C{i + 1}"],
             pooling=PoolingType.SUM,
             data_type=DataType.FP16 if fp16_rows else DataType.FP32,
-            init_fn=lambda weight: nn.init.uniform_(weight, -scale, scale),
         )
-        for key, size in zip(keys, sizes, strict=True)
+        for i, size in enumerate(sizes)
     ]
     collection = FusedEmbeddingBagCollection(
         tables=tables,
@@ -254,6 +246,26 @@ def run_torchrec(
         optimizer_kwargs={"lr": workload.sparse_lr},
         device=torch.device("cpu"),
     )
+    with torch.no_grad():
+        for weight in collection.parameters():
+            nn.init.uniform_(weight, -workload.init_scale, workload.init_scale)
+    return collection
+
+
+def run_torchrec(
+    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, fp16_rows: bool = False
+) -> dict[str, Any]:
+    reason = torchrec_unavailable()
+    if reason is not None:
+        return {"skipped": reason}
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    set_threads(workload.threads)
+    torch.manual_seed(workload.seed)
+    model = build_dlrm(workload)  # first after seeding: the same dense init as psrec's trainer
+    train, validation, sizes = _inputs(workload, sources)
+    keys = [f"C{i + 1}" for i in range(len(sizes))]
+    collection = torchrec_collection(workload, sizes, fp16_rows=fp16_rows)
     table_dtypes = {weight.dtype for weight in collection.parameters()}
     if fp16_rows and table_dtypes != {torch.float16}:
         return {

@@ -17,7 +17,7 @@ from psrec.bench.harness import run_bench
 from psrec.bench.psrec_systems import PsrecLayout, PsrecOptions, bench_config
 from psrec.bench.torch_systems import torchrec_unavailable
 from psrec.bench.workload import Workload, bench_schema, load_batches, parse_multi_hot, prepare_sources
-from psrec.cli import main
+from psrec.cli import build_parser, main
 from psrec.config import parse_config
 
 
@@ -46,6 +46,19 @@ def test_parse_multi_hot_and_its_errors() -> None:
             parse_multi_hot(bad)
     with pytest.raises(SystemExit):  # argparse's error, naming the option
         main(["bench", "--multi-hot", "8:x"])
+
+
+def test_sparse_lr_reaches_every_systems_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert commands.workload_from_args(parse(["bench", "--multi-hot", "8:50"])).sparse_lr == 0.05
+    workload = commands.workload_from_args(parse(["bench", "--multi-hot", "8:50", "--sparse-lr", "0.005"]))
+    assert workload.sparse_lr == 0.005 and workload.multi_hot_features == 8
+    config = bench_config(workload, "run", PsrecLayout(), sources={"train": {}, "validation": {}})
+    assert config["embedding"]["default"]["optimizer"] == {"name": "rowwise_adagrad", "lr": 0.005}
+    for bad in ("0", "-1", "fast"):
+        with pytest.raises(SystemExit):
+            parse(["bench", "--sparse-lr", bad])
+        assert f"expected a number > 0, got {bad!r}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("lengths", ["fixed", "variable"])

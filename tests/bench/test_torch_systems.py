@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from psrec.bench.harness import run_bench
-from psrec.bench.torch_systems import PlainEmbeddings, RowWiseAdagrad, assign_rows, torchrec_unavailable
+from psrec.bench.torch_systems import (
+    PlainEmbeddings,
+    RowWiseAdagrad,
+    assign_rows,
+    torchrec_collection,
+    torchrec_unavailable,
+)
 from psrec.bench.workload import TensorBatch, Workload
 from psrec.embedding.reference import new_state, reference_step
 from psrec.embedding.specs import SparseOptimizerSpec
@@ -106,3 +112,19 @@ def test_torchrec_variants_are_skipped_with_the_reason(tmp_path: Path) -> None:
     for row in report["rows"]:
         assert row["status"].startswith("skipped: ") and len(row["status"]) > len("skipped: ")
     assert len(report["runs"]) == 2 * len(systems)
+
+
+@pytest.mark.skipif(torchrec_unavailable() is not None, reason="TorchRec is not installed")
+def test_torchrec_rows_start_in_the_workloads_init_range() -> None:
+    # Every system starts its rows uniform in [-init_scale, init_scale]: TorchRec's fused collection
+    # ignores init_fn and starts at +-sqrt(1 / rows) (+-0.0316 for 1000 rows) unless rewritten.
+    workload = Workload(dim=16, init_scale=0.05)
+    torch.manual_seed(0)
+    collection = torchrec_collection(workload, [1000, 3000])
+    weights = [weight.detach().float() for weight in collection.parameters()]
+    assert [tuple(weight.shape) for weight in weights] == [(1000, 16), (3000, 16)]
+    reference = torch.empty(4000 * 16).uniform_(-0.05, 0.05)  # what nn.init.uniform_ draws
+    values = torch.cat([weight.reshape(-1) for weight in weights])
+    assert values.abs().max() <= 0.05
+    assert values.abs().max() > 0.049
+    assert values.std().item() == pytest.approx(reference.std().item(), rel=0.05)
