@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,7 +48,7 @@ from psrec.train.data_sources import prepare_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
-from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir
+from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.scaling import ScaleController
 from psrec.train.startup import startup_report
@@ -165,7 +164,7 @@ def train(
         runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
     try:  # the run's set-up succeeded: only now is the run directory touched
         apply_run_dir_plan(plan)
-        _write_text(
+        write_text(
             run_dir / "config.json", json.dumps(config.model_dump(mode="json", by_alias=True), indent=2)
         )
     except BaseException:
@@ -185,10 +184,10 @@ def train(
         if owns_runtime:
             runtime.shutdown()
         if local_events is not None:
-            _upload_events(local_events, run_dir)
+            upload_events(local_events, run_dir)
     summary["wall_seconds"] = time.perf_counter() - started
     summary["startup"] = startup_report(driver.first_step_at, train_called_at=called_at)
-    _write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
+    write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
 
 
@@ -204,24 +203,6 @@ def _check_stored_sources(sources: dict[str, dict[str, Any]]) -> None:
                     expand_paths([pattern])
                 except (OSError, ValueError) as error:
                     raise ConfigError(f"data.{split}.paths: {pattern!r}: {error}") from None
-
-
-def _write_text(path: storage.Location, text: str) -> None:
-    try:
-        path.write_text(text)
-    except storage.StorageError as error:
-        raise ConfigError(f"cannot write {path}: {error}") from None
-
-
-def _upload_events(local: Path, run_dir: storage.Location) -> None:
-    """Copy the TensorBoard event files of a run whose run_dir is in a store to RUN_DIR/tensorboard."""
-    try:
-        if (local / "tensorboard").is_dir():
-            storage.copy_tree(local / "tensorboard", run_dir / "tensorboard")
-    except storage.StorageError as error:
-        logger.warning("TensorBoard event files stay in %s: %s", local, error)
-        return
-    shutil.rmtree(local, ignore_errors=True)
 
 
 class Driver:

@@ -22,6 +22,7 @@ states) and `apply_run_dir_plan` acts, after the rest of the run's set-up has su
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -140,3 +141,24 @@ def apply_run_dir_plan(plan: RunDirPlan) -> None:
     if plan.create:
         plan.path.mkdir(parents=True, exist_ok=True)
         (plan.path / MARKER).write_text("psrec run directory\n")
+
+
+def write_text(path: Location, text: str) -> None:
+    """Write a run file (config.json, summary.json); a store that refuses it is a ConfigError."""
+    try:
+        path.write_text(text)
+    except StorageError as error:
+        raise ConfigError(f"cannot write {path}: {error}") from None
+
+
+def upload_events(local: Path, run_dir: Location) -> None:
+    """Copy the TensorBoard event files of a run whose run_dir is in a store to RUN_DIR/tensorboard."""
+    from psrec import storage
+
+    try:
+        if (local / "tensorboard").is_dir():
+            storage.copy_tree(local / "tensorboard", run_dir / "tensorboard")
+    except StorageError as error:
+        logger.warning("TensorBoard event files stay in %s: %s", local, error)
+        return
+    shutil.rmtree(local, ignore_errors=True)
