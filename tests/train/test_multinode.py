@@ -171,7 +171,9 @@ def test_a_lost_node_is_replaced_from_the_object_store_with_the_undisturbed_mode
             runtime.shutdown()
     assert killed, "the node was never killed"
     (recovery,) = summary["recoveries"]
-    assert recovery["restored_step"] % 20 == 0 and recovery["restored_step"] <= recovery["failed_at_step"]
+    # from a periodic checkpoint, or from the epoch end's when the loss is noticed right after it
+    restored, failed = recovery["restored_step"], recovery["failed_at_step"]
+    assert (restored % 20 == 0 and restored <= failed) or restored == failed, recovery
     placement = summary["placement"]
     assert placement["nodes_alive"] == 2
     assert victim not in {node_index[a["node_id"]] for a in [*placement["shards"], *placement["trainers"]]}
