@@ -149,13 +149,7 @@ class RayShards:
         self._answers = [shard.pid.remote() for shard in self._starting]
 
     def ready(self) -> bool:
-        import ray
-
-        done, _ = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
-        if len(done) < len(self._answers):
-            return False
-        ray.get(done)  # a shard that failed to start raises here
-        return True
+        return all_answered(self._answers)
 
     def adopt(self, step: int) -> None:
         _answers([(shard, "start_at", (step,)) for shard in self._starting])
@@ -211,6 +205,18 @@ class RayShards:
         for shard in self._starting:
             ray.kill(shard)
         self._starting, self._answers = [], []
+
+
+def all_answered(refs: list[Any]) -> bool:
+    """Whether every call of `refs` has answered (without waiting); an actor that failed to start
+    raises its error here."""
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    if len(done) < len(refs):
+        return False
+    ray.get(done)
+    return True
 
 
 def _row_bytes(stats: dict[str, dict[str, int]]) -> int:

@@ -35,6 +35,7 @@ from typing import Any
 
 from psrec.config import RunConfig
 from psrec.data.shares import redistribute
+from psrec.train.shard_set import all_answered
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +162,7 @@ class TrainerChange:
         self._answers = [trainer.pid.remote() for trainer in self._starting]
 
     def ready(self) -> bool:
-        import ray
-
-        done, _ = ray.wait(self._answers, num_returns=len(self._answers), timeout=0)
-        if len(done) < len(self._answers):
-            return False
-        ray.get(done)  # a trainer that failed to start raises here
-        return True
+        return all_answered(self._answers)  # a trainer that failed to start raises here
 
     def advance(self, step: int) -> tuple[str, dict[str, Any] | str | None]:
         """At a step boundary: ("waiting", None) while the added trainers start, ("refused", why) when
