@@ -54,8 +54,8 @@ from psrec.embedding.hash_index import HashIndex
 from psrec.embedding.hashing import GOLDEN_GAMMA, mix64
 from psrec.embedding.optimizers import STATE_LAYOUT
 from psrec.embedding.slab_log import SEGMENT_ROWS, SegmentLog
+from psrec.embedding.state import PAYLOAD_DTYPES
 
-PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 CHECKSUM_SEED = 0xD15C_71E2
 SLAB_GROWTH = 1.25  # the file grows by this factor (at least one segment) when cleaning cannot free one
 MAX_SLOTS = 2**31 - 1  # slots are int32

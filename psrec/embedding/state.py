@@ -18,6 +18,9 @@ from typing import Any, Self
 
 import numpy as np
 
+# The stored dtype of a row's payload at each row precision.
+PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
+
 CONFIG_KEY = "config"
 OPTIMIZER_PREFIX = "optimizer_state/"
 
@@ -105,3 +108,34 @@ class TableDelta:
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Self:
         return _from_arrays(cls, arrays)
+
+
+def layout_problem(
+    record: TableState | TableDelta, *, dim: int, precision: str, optimizer: str
+) -> str | None:
+    """What in `record`'s per-row arrays does not fit a table of `dim`, `precision` and `optimizer`
+    (a field's dtype or shape, the optimizer state's fields), or None."""
+    from psrec.embedding.optimizers import STATE_LAYOUT
+
+    count = record.ids.shape[0]
+    expected: list[tuple[str, Any, tuple[int, ...], Any]] = [
+        ("rows", record.rows, (count, dim), PAYLOAD_DTYPES[precision]),
+        ("counts", record.counts, (count,), np.uint32),
+        ("last_step", record.last_step, (count,), np.uint32),
+    ]
+    if precision == "int8":
+        expected += [
+            ("row_scale", record.row_scale, (count,), np.float32),
+            ("row_offset", record.row_offset, (count,), np.float32),
+        ]
+    layout = STATE_LAYOUT[optimizer]
+    if set(record.optimizer_state) != {name for name, _, _ in layout}:
+        return f"optimizer state {sorted(record.optimizer_state)} does not match"
+    for name, kind, state_dtype in layout:
+        shape: tuple[int, ...] = (count, dim) if kind == "element" else (count,)
+        expected.append((f"optimizer_state/{name}", record.optimizer_state[name], shape, state_dtype))
+    for label, array, shape, array_dtype in expected:
+        if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != array_dtype:
+            found = (array.shape, array.dtype) if isinstance(array, np.ndarray) else type(array).__name__
+            return f"{label} must be {np.dtype(array_dtype)} of shape {shape}, got {found}"
+    return None

@@ -37,7 +37,7 @@ from psrec.embedding.arrays import grow_rows
 from psrec.embedding.eviction import rows_to_evict
 from psrec.embedding.hash_index import HashIndex, ids_digest
 from psrec.embedding.initializers import initial_rows, write_initial_rows
-from psrec.embedding.optimizers import STATE_LAYOUT, SparseOptimizer, aggregate_gradients
+from psrec.embedding.optimizers import SparseOptimizer, aggregate_gradients
 from psrec.embedding.precision import RowStorage
 from psrec.embedding.specs import (
     PRECISIONS,
@@ -47,13 +47,12 @@ from psrec.embedding.specs import (
     SparseOptimizerSpec,
     TableSpec,
 )
-from psrec.embedding.state import TableDelta, TableState
+from psrec.embedding.state import TableDelta, TableState, layout_problem
 
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
 MAX_STEP = 2**32 - 1
-PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 
 
 class EmbeddingTable:
@@ -436,33 +435,11 @@ class EmbeddingTable:
         """Every array of `record` in its shape and dtype, and (with `unique`) no id twice."""
         count = record.ids.shape[0]
         self._check_ids(record.ids, f"{what} ids")
-        dtype = PAYLOAD_DTYPES[self.precision]
-        expected: list[tuple[str, Any, tuple[int, ...], Any]] = [
-            ("rows", record.rows, (count, self.dim), dtype),
-            ("counts", record.counts, (count,), np.uint32),
-            ("last_step", record.last_step, (count,), np.uint32),
-        ]
-        if self.precision == "int8":
-            expected += [
-                ("row_scale", record.row_scale, (count,), np.float32),
-                ("row_offset", record.row_offset, (count,), np.float32),
-            ]
-        layout = STATE_LAYOUT[self.optimizer.name]
-        if set(record.optimizer_state) != {name for name, _, _ in layout}:
-            raise ValueError(
-                self._message(f"{what} optimizer state {sorted(record.optimizer_state)} does not match")
-            )
-        for name, kind, state_dtype in layout:
-            shape: tuple[int, ...] = (count, self.dim) if kind == "element" else (count,)
-            expected.append((f"optimizer_state/{name}", record.optimizer_state[name], shape, state_dtype))
-        for label, array, shape, array_dtype in expected:
-            if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != array_dtype:
-                found = (array.shape, array.dtype) if isinstance(array, np.ndarray) else type(array).__name__
-                raise ValueError(
-                    self._message(
-                        f"{what} {label} must be {np.dtype(array_dtype)} of shape {shape}, got {found}"
-                    )
-                )
+        problem = layout_problem(
+            record, dim=self.dim, precision=self.precision, optimizer=self.optimizer.name
+        )
+        if problem is not None:
+            raise ValueError(self._message(f"{what} {problem}"))
         if unique and np.unique(record.ids).shape[0] != count:
             raise ValueError(self._message(f"{what} ids contain duplicates"))
 

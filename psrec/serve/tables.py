@@ -26,10 +26,9 @@ import numpy as np
 from psrec.embedding.initializers import initial_rows
 from psrec.embedding.precision import RowStorage
 from psrec.embedding.specs import InitializerSpec
-from psrec.embedding.state import TableDelta, TableState
+from psrec.embedding.state import PAYLOAD_DTYPES, TableDelta, TableState
 
 PRECISIONS = ("fp32", "fp16", "int8")
-PAYLOAD_DTYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.uint8}
 
 
 @dataclass(frozen=True)
