@@ -140,7 +140,7 @@ def call_shards(shards: list[Any], method: str, *args: Any) -> list[Any]:
 
 def answered_refs(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
     """Each ``actor.<method>(*args)`` of `calls`, sent in parallel; returns, once every call has
-    answered, the refs of their answers (to pass on to other actors without fetching them). A call
+    answered, the refs of their answers (to pass on to other actors without sending them again). A call
     that a restarting shard did not answer is sent again once it is back (the calls must be
     idempotent); one to a shard dead for good raises `RayActorError`, any other error its own."""
     import ray
@@ -150,8 +150,7 @@ def answered_refs(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
     for index, (actor, method, args) in enumerate(calls):
         for attempt in range(RESEND_ATTEMPTS + 1):
             try:
-                ray.wait([refs[index]], fetch_local=False)
-                ray.get(refs[index])  # raises the call's error; a local answer is not copied
+                ray.get(refs[index])  # raises the call's error
                 break
             except RayActorError as error:
                 if attempt == RESEND_ATTEMPTS or not restarting(actor, error):

@@ -4,7 +4,9 @@
 step boundary, move buckets (`psrec.ps.bucket_move`), switch every trainer to a new bucket map,
 drop the moved copies and stop emptied shards. `LocalShards` does it for the in-process runtime's
 `ParameterShard`s, `RayShards` for the Ray runtime's shard actors: an exported bucket goes from its
-source actor to its destination through Ray's object store, not through the driver.
+source actor to its destination through Ray's object store (the driver reads each export's answer
+to see whether its source failed: on one node a mapping of the shared store, on a cluster a copy to
+the driver's node).
 """
 
 from __future__ import annotations
@@ -159,9 +161,9 @@ class RayShards:
 
     def move(self, moves: list[BucketMove], num_buckets: int) -> int:
         shards = self.runtime.shards
-        # each export goes from its source to its destination in the object store, not through here;
-        # the exports are all answered before any import starts, so that a shard restarted meanwhile
-        # (shard failover) is sent again only its own call
+        # each export goes from its source to its destination in the object store; the exports are
+        # all answered before any import starts, so that a shard restarted meanwhile (shard failover)
+        # is sent again only its own call
         exported = answered_refs(
             [(shards[m.source], "export_buckets", (list(m.buckets), num_buckets)) for m in moves]
         )
