@@ -38,15 +38,28 @@ def free_port() -> int:
 
 
 def run_round(
-    port: int | list[int], bodies: list[bytes], *, clients: int, requests: int, seconds: float
+    port: int | list[int],
+    bodies: list[bytes],
+    *,
+    clients: int,
+    requests: int,
+    seconds: float,
+    rate: float | None = None,
 ) -> dict[str, float]:
     """One bounded round: ``clients`` threads, each up to ``requests`` requests or ``seconds``;
-    client i talks to ``port[i % len(port)]`` when given several (the replicas' own ports)."""
+    client i talks to ``port[i % len(port)]`` when given several (the replicas' own ports).
+
+    Closed loop (``rate`` None): each client sends its next request as soon as the last one is
+    answered, so the figures are those of a saturated server. Open loop (``rate`` requests/s over
+    all clients): request k of the round is due at ``k / rate`` s, dealt to the clients in turn; a
+    client that is still waiting sends it late, and its latency counts from when it was due (the
+    queueing a late sender hides is counted, as wrk2 does)."""
     ports = [port] if isinstance(port, int) else port
     latencies: list[float] = []
     errors = [0]
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
+    begin = time.perf_counter() + 0.05  # every client's schedule starts at one instant
 
     def client(index: int) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", ports[index % len(ports)], timeout=30)
@@ -57,6 +70,11 @@ def run_round(
                     break
                 body = bodies[(index + count) % len(bodies)]
                 started = time.perf_counter()
+                if rate is not None:
+                    due = begin + (count * clients + index) / rate
+                    if due > started:
+                        time.sleep(due - started)
+                    started = due
                 connection.request("POST", "/", body=body, headers={"Content-Type": "application/json"})
                 response = connection.getresponse()
                 response.read()
@@ -122,6 +140,19 @@ def main() -> None:
         action="store_true",
         help="replicas also answer HTTP themselves; both paths measured, interleaved",
     )
+    parser.add_argument(
+        "--clients",
+        type=lambda text: tuple(int(c) for c in text.split(",")),
+        default=CLIENTS,
+        help="client counts, comma-separated (default 1,8,64)",
+    )
+    parser.add_argument(
+        "--rate-rows",
+        type=float,
+        action="append",
+        default=None,
+        help="also run open loop at this many offered rows/s over all clients (repeatable)",
+    )
     parser.add_argument("--profile", action="store_true", help="also time each serving step in process")
     parser.add_argument("--save-rows", help="also write the request rows here (JSON, for --rows)")
     parser.add_argument("--json", help="write the report here")
@@ -173,33 +204,38 @@ def main() -> None:
     try:
         for target in paths.values():
             run_round(target, bodies[:4], clients=1, requests=20, seconds=10)  # warm up
-        results: dict[tuple[str, int], list[dict[str, Any]]] = {
-            (path, clients): [] for path in paths for clients in CLIENTS
-        }
-        for _ in range(args.rounds):  # paths and client counts interleaved within every round
-            for clients in CLIENTS:
-                for path, target in paths.items():
-                    before, client_before = process_cpu_seconds(), time.process_time()
-                    result: dict[str, Any] = run_round(
-                        target, bodies, clients=clients, requests=args.requests, seconds=args.seconds
-                    )
-                    after = process_cpu_seconds()
-                    count = max(1, int(result["requests"]))
-                    result["cpu_ms_per_request"] = {
-                        name: 1000 * (after.get(name, 0.0) - before.get(name, 0.0)) / count
-                        for name in after
-                        if after.get(name, 0.0) - before.get(name, 0.0) > 0
-                    }
-                    result["cpu_ms_per_request"]["load generator"] = (
-                        1000 * (time.process_time() - client_before) / count
-                    )
-                    result["load_average"] = os.getloadavg()[0]
-                    results[(path, clients)].append(result)
+        rates: list[float | None] = [None, *(args.rate_rows or [])]
+        levels = [(path, clients, rate) for rate in rates for clients in args.clients for path in paths]
+        results: dict[tuple[str, int, float | None], list[dict[str, Any]]] = {level: [] for level in levels}
+        for _ in range(args.rounds):  # paths, client counts and rates interleaved within every round
+            for path, clients, rate in levels:
+                target = paths[path]
+                before, client_before = process_cpu_seconds(), time.process_time()
+                result: dict[str, Any] = run_round(
+                    target,
+                    bodies,
+                    clients=clients,
+                    requests=args.requests,
+                    seconds=args.seconds,
+                    rate=None if rate is None else rate / size,
+                )
+                after = process_cpu_seconds()
+                count = max(1, int(result["requests"]))
+                result["cpu_ms_per_request"] = {
+                    name: 1000 * (after.get(name, 0.0) - before.get(name, 0.0)) / count
+                    for name in after
+                    if after.get(name, 0.0) - before.get(name, 0.0) > 0
+                }
+                result["cpu_ms_per_request"]["load generator"] = (
+                    1000 * (time.process_time() - client_before) / count
+                )
+                result["load_average"] = os.getloadavg()[0]
+                results[(path, clients, rate)].append(result)
     finally:
         stop_serving()
         ray.shutdown()
     report["levels"] = {}
-    for (path, clients), rounds in results.items():
+    for (path, clients, rate), rounds in results.items():
         level: dict[str, Any] = {
             key: statistics.median(r[key] for r in rounds)
             for key in ("requests_per_second", "p50_ms", "p99_ms", "load_average")
@@ -210,10 +246,12 @@ def main() -> None:
         level["cpu_ms_per_request"] = {
             name: statistics.median(r["cpu_ms_per_request"].get(name, 0.0) for r in rounds) for name in names
         }
-        report["levels"][f"{path} {clients}"] = level
+        offered = "closed loop" if rate is None else f"offered {rate:.0f} rows/s"
+        level["offered_rows_per_second"] = rate
+        report["levels"][f"{path} {clients} {offered}"] = level
         cpu = ", ".join(f"{name} {ms:.1f}" for name, ms in level["cpu_ms_per_request"].items() if ms >= 0.1)
         print(
-            f"{path:>6} {clients:>3} clients: {level['requests_per_second']:7.1f} req/s "
+            f"{path:>6} {clients:>3} clients, {offered}: {level['requests_per_second']:7.1f} req/s "
             f"{level['rows_per_second']:7.0f} rows/s p50 {level['p50_ms']:6.1f} ms p99 {level['p99_ms']:6.1f} ms "
             f"errors {level['errors']} load {level['load_average']:.1f} | CPU ms/request: {cpu}"
         )

@@ -4,6 +4,8 @@ hold each new version before the replica swaps to it, and serve the scores of it
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -153,10 +155,11 @@ def _a_large_table(model_dir: Any) -> str:
 @pytest.mark.slow
 @pytest.mark.ray
 def test_psrec_serve_follows_a_run_with_lookup_shard_actors(
-    deepfm_run: dict[str, Any], exported: Any
+    deepfm_run: dict[str, Any], exported: Any, tmp_path: Path
 ) -> None:
     """--shard-rows with --follow: served from the run's first checkpoint, the replica and the lookup
-    shard actors reach its last one, whose export's scores HTTP then answers."""
+    shard actors reach the last checkpoint present; the run's last one, committed while serving,
+    is reflected within 5 s (the freshness target), with its export's scores."""
     import json
     import socket
     import time
@@ -166,27 +169,45 @@ def test_psrec_serve_follows_a_run_with_lookup_shard_actors(
 
     from psrec.serve.deployment import ServeOptions, start_serving, stop_serving
 
-    run_dir = deepfm_run["run_dir"]
+    run_dir = tmp_path / "run"
+    shutil.copytree(deepfm_run["run_dir"], run_dir)
     refs = checkpoint.list_checkpoints(run_dir)
+    last = refs[-1]
+    held = tmp_path / "held" / last.path.name
+    held.parent.mkdir()
+    shutil.move(str(last.path), held)  # committed later, while serving
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
     options = ServeOptions(port=port, shard_rows=20, lookup_shards=2, follow=str(run_dir), poll_seconds=0.2)
-    url = start_serving(str(exported(run_dir, checkpoint=refs[0].name)), options)
+    url = start_serving(str(exported(deepfm_run["run_dir"], checkpoint=refs[0].name)), options)
     rows = _raw_rows(deepfm_run["sources"]["validation"]["paths"])[:256]
-    try:
-        deadline, answer = time.monotonic() + 120, {}
+    body = json.dumps({"rows": rows}).encode()
+
+    def until_version(suffix: str, deadline: float) -> tuple[float, dict[str, Any]]:
+        answer: dict[str, Any] = {}
         while time.monotonic() < deadline:
-            request = urllib.request.Request(url, data=json.dumps({"rows": rows}).encode())
+            request = urllib.request.Request(url, data=body)
             with urllib.request.urlopen(request, timeout=60) as response:
                 answer = json.loads(response.read())
-            if answer["version"].endswith(refs[-1].checkpoint_id[:8]):
-                break
-            time.sleep(0.5)
+            if answer["version"].endswith(suffix):
+                return time.monotonic(), answer
+            time.sleep(0.05)
+        raise AssertionError(
+            f"no response with version *{suffix} before the deadline; last {answer.get('version')}"
+        )
+
+    try:
+        until_version(refs[-2].checkpoint_id[:8], time.monotonic() + 120)
+        committed = time.monotonic()
+        held.rename(last.path)  # its directory, manifest included, renamed into place
+        reflected, answer = until_version(last.checkpoint_id[:8], committed + 5.0)
+        print(f"sharded follow: commit -> first response reflecting it: {reflected - committed:.2f} s")
     finally:
         stop_serving()
         ray.shutdown()
-    plain = ServingModel.load(exported(run_dir))
+    assert reflected - committed < 5.0
+    plain = ServingModel.load(exported(deepfm_run["run_dir"]))
     expected = plain.score_requests([parse_request({"rows": rows}, plain.request_spec)])[0]
     assert answer["version"] == expected["version"]
     np.testing.assert_allclose(answer["scores"], expected["scores"], rtol=0, atol=1e-6)
