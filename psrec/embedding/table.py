@@ -384,8 +384,9 @@ class EmbeddingTable:
             "admission_pull_counter": self._admission.pull_counter,
         }
 
-    def _export_rows(self, rows: np.ndarray) -> dict[str, Any]:
-        rows = rows[np.argsort(self._index.keys[rows], kind="stable")]  # canonical order: by id
+    def _export_rows(self, rows: np.ndarray, *, by_id: bool = True) -> dict[str, Any]:
+        if by_id:  # canonical order (states, deltas); else in the order of `rows`
+            rows = rows[np.argsort(self._index.keys[rows], kind="stable")]
         payload = self._storage.export(rows)
         return {
             "ids": self._index.keys[rows],

@@ -206,7 +206,7 @@ class TieredTable(EmbeddingTable):
         self._last_step[rows] = record["last_step"]
 
     def _demote(self, rows: np.ndarray) -> None:
-        record = self._export_rows(rows)
+        record = self._export_rows(rows, by_id=False)  # the slot order of the records is free
         self._cold.write(_flat(record))
         self._last_pull = None
         self._index.remove(record["ids"])
