@@ -16,6 +16,13 @@ the popular rows), each system in a fresh process: ``memory`` (an EmbeddingTable
 TieredTable with the rows that fit ``--memory-gb``, disk index included, in memory; the rest under
 ``--disk-dir``) and ``prefetch`` (the same, told each next batch's ids after each pull:
 ``TieredTable.prefetch``, so its cold rows are read on a background thread during the push).
+With ``--model dlrm`` every step is a training step of psrec's DLRM (bottom 13-512-256-D, dot
+interaction, top 512-256-1, Adam 1e-3; the model of `psrec bench`) whose ``--features`` sparse
+features all look up this one table: ``--batch-samples`` samples a step draw samples x features Zipf ids,
+the step pulls the distinct ones, gathers them into the (B, F, D) input, runs forward, backward and
+the dense optimizer on ``--threads`` torch threads (under bf16 autocast with ``--dense-precision
+bf16``, psrec's `training.dense_precision`), and pushes the rows' summed gradients (what
+psrec's in-process trainer does with its tables); the rate is then samples/s.
 The systems run interleaved, ``--repeats`` times each (memory, tiered, prefetch, memory, ...).
 Reported per system: ids/s of pull + push and ids per CPU-second (all threads), each the median over
 repeats of a process's median round; the ratios to ``memory`` per repeat; peak RSS (VmHWM) and its
@@ -26,6 +33,7 @@ before each process.
     . .venv/bin/activate && python benchmarks/disk_tier_bench.py policies
     python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1     # the issue's target
     python benchmarks/disk_tier_bench.py scale --rows 4000000 --memory-gb 0.2    # scaled down 5x
+    python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1 --model dlrm   # trained
 """
 
 from __future__ import annotations
@@ -65,9 +73,13 @@ class ZipfIds:
     def redraw(self) -> None:
         self.ids = self.rng.permutation(self.universe).astype(np.int64) * 2654435761 % (2**61)
 
-    def batch(self, size: int) -> np.ndarray:
+    def draws(self, size: int) -> np.ndarray:
+        """`size` ids drawn independently (repeats kept, in draw order)."""
         ranks = np.searchsorted(self.cumulative, self.rng.random(size), side="right")
-        return np.unique(self.ids[np.minimum(ranks, self.universe - 1)])  # deduped, as the client sends
+        return self.ids[np.minimum(ranks, self.universe - 1)]
+
+    def batch(self, size: int) -> np.ndarray:
+        return np.unique(self.draws(size))  # deduped, as the client sends
 
     def best_hit_rate(self, rows: int, batch: int) -> float:
         """Share of a deduped batch's ids among the `rows` most probable: the best a policy can keep."""
@@ -164,6 +176,59 @@ def _timed(timings: dict[str, float], name: str, function: Callable[..., Any]) -
     return wrapper
 
 
+class _DlrmSteps:
+    """Training steps of psrec's DLRM whose sparse features all look up one table (see the docstring).
+
+    A step is what the in-process trainer does with a table: pull the batch's distinct ids, gather
+    the (B, F, D) input from them, forward, backward, the dense optimizer, and push each distinct
+    id's summed gradient.
+    """
+
+    def __init__(self, args: argparse.Namespace, zipf: ZipfIds) -> None:
+        import torch
+
+        from psrec.models.dlrm import DLRM
+        from psrec.threads import set_thread_counts
+
+        set_thread_counts(args.threads)
+        torch.manual_seed(0)
+        self.torch = torch
+        self.zipf = zipf
+        self.samples, self.features, self.dim = args.batch_samples, args.features, args.dim
+        self.unique_ids: list[int] = []
+        self.model = DLRM(
+            13, args.features, args.dim, bottom_hidden_sizes=(512, 256), top_hidden_sizes=(512, 256)
+        )
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
+        self.rng = np.random.default_rng(5)
+        self.bf16 = args.dense_precision == "bf16"
+
+    def batch(self) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+        """(distinct ids, each draw's position among them, dense features, labels) of one batch."""
+        draws = self.zipf.draws(self.samples * self.features)
+        ids, inverse = np.unique(draws, return_inverse=True)
+        self.unique_ids.append(ids.shape[0])
+        dense = self.torch.from_numpy(self.rng.standard_normal((self.samples, 13), dtype=np.float32))
+        labels = self.torch.from_numpy((self.rng.random(self.samples) < 0.25).astype(np.float32))
+        return ids, inverse.astype(np.int64), dense, labels
+
+    def step(self, table: EmbeddingTable, batch: tuple[np.ndarray, Any, Any, Any], *, step: int) -> None:
+        from psrec.models.base import ModelInput
+        from psrec.train.pooling import gather_rows
+
+        ids, inverse, dense, labels = batch
+        rows = self.torch.from_numpy(table.pull(ids)).requires_grad_()  # (U, D)
+        dtype = self.torch.bfloat16 if self.bf16 else self.torch.float32
+        pooled = gather_rows(rows, inverse, self.features, dtype)  # (B, F, D)
+        with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.bf16):
+            loss, _ = self.model.loss(ModelInput(dense, pooled), labels)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        assert rows.grad is not None
+        table.push(ids, rows.grad.numpy(), step=step)
+
+
 def run_system(args: argparse.Namespace) -> dict[str, Any]:
     """One system's run, in this (fresh) process."""
     rows, dim = args.rows, args.dim
@@ -221,6 +286,21 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
         return sum(batch.shape[0] for batch in batches[: args.steps])
 
+    if args.model == "dlrm":
+        trainer = _DlrmSteps(args, zipf)
+
+        def round_of_steps() -> int:
+            nonlocal step
+            batches = [trainer.batch() for _ in range(args.steps + 1)]  # drawn before timing
+            wall, cpu = time.perf_counter(), time.process_time()
+            for index in range(args.steps):
+                step += 1
+                trainer.step(table, batches[index], step=step)
+                if prefetch:
+                    tiered.prefetch(batches[index + 1][0])
+            rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
+            return args.batch_samples * args.steps  # samples, not ids
+
     rounds: list[tuple[float, float]] = []
     for _ in range(args.warmup_rounds):  # the memory tier fills with the popular rows
         round_of_steps()
@@ -236,7 +316,10 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         "ids_per_second": statistics.median(ids_per_round / wall for wall, _ in rounds),
         "ids_per_cpu_second": statistics.median(ids_per_round / cpu for _, cpu in rounds),
         "round_seconds": [wall for wall, _ in rounds],
-        "unique_ids_per_step": ids_per_round / args.steps,
+        "unique_ids_per_step": (
+            ids_per_round / args.steps if args.model == "none" else statistics.median(trainer.unique_ids)
+        ),
+        "model": args.model,
         "table_bytes": table.memory_bytes()["total"],
         "baseline_rss": baseline,
         "peak_after_fill": peak_after_fill,
@@ -270,6 +353,11 @@ SYSTEMS = ("memory", "tiered", "prefetch")
 def _system_command(args: argparse.Namespace, system: str) -> list[str]:
     command = [sys.executable, __file__, "system", "--system", system]
     for name in (
+        "model",
+        "batch_samples",
+        "features",
+        "dense_precision",
+        "threads",
         "rows",
         "dim",
         "batch",
@@ -303,6 +391,12 @@ def run_scale(args: argparse.Namespace) -> None:
     tiered_runs = [run for system in args.systems if system != "memory" for run in runs[system]]
     memory_rows = tiered_runs[0]["memory_rows"] if tiered_runs else first["memory_rows"]
     loads = [run["load"] for system in args.systems for run in runs[system]]
+    unit = "samples" if args.model == "dlrm" else "ids"
+    if args.model == "dlrm":
+        print(
+            f"DLRM training steps: {args.batch_samples:,} samples x {args.features} features a step, "
+            f"{args.threads} torch threads, dense {args.dense_precision}; rates are samples/s"
+        )
     print(
         f"{args.rows:,} rows x dim {args.dim} (row-wise Adagrad, fp32), budget {args.memory_gb} GiB "
         f"({memory_rows:,} rows in memory), Zipf({args.exponent}), {first['unique_ids_per_step']:,.0f} "
@@ -310,7 +404,7 @@ def run_scale(args: argparse.Namespace) -> None:
         f"interleaved processes per system; load average {min(loads):.1f}-{max(loads):.1f}"
     )
     print(
-        f"{'system':8s} {'ids/s':>10s} {'ids/CPU-s':>10s} {'peak RSS':>9s} {'-base':>7s} {'anon':>7s} "
+        f"{'system':8s} {unit + '/s':>10s} {unit[:3] + '/CPU-s':>10s} {'peak RSS':>9s} {'-base':>7s} {'anon':>7s} "
         f"{'file':>7s} {'tables':>7s} {'fill s':>7s}"
     )
     for system in args.systems:
@@ -327,9 +421,9 @@ def run_scale(args: argparse.Namespace) -> None:
     for system in args.systems:
         results = runs[system]
         print(
-            f"{system}: ids/s per process "
+            f"{system}: {unit}/s per process "
             + " ".join(f"{r['ids_per_second']:,.0f}" for r in results)
-            + "; ids/CPU-s "
+            + f"; {unit}/CPU-s "
             + " ".join(f"{r['ids_per_cpu_second']:,.0f}" for r in results)
             + "; load before "
             + " ".join(f"{r['load']:.1f}" for r in results)
@@ -345,9 +439,9 @@ def run_scale(args: argparse.Namespace) -> None:
         wall = [run["ids_per_second"] / memory["ids_per_second"] for memory, run in pairs]
         cpu = [run["ids_per_cpu_second"] / memory["ids_per_cpu_second"] for memory, run in pairs]
         print(
-            f"{system} / memory: {statistics.median(wall):.2f}x ids/s (per repeat "
+            f"{system} / memory: {statistics.median(wall):.2f}x {unit}/s (per repeat "
             + " ".join(f"{value:.2f}" for value in wall)
-            + f"), {statistics.median(cpu):.2f}x ids per CPU-second (per repeat "
+            + f"), {statistics.median(cpu):.2f}x {unit} per CPU-second (per repeat "
             + " ".join(f"{value:.2f}" for value in cpu)
             + ")"
         )
@@ -385,6 +479,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="draws per batch (deduped)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rows", type=int, default=4_000_000, help="scale: rows in the table")
+    parser.add_argument(
+        "--model", choices=["none", "dlrm"], default="none", help="scale: pull + push alone, or DLRM steps"
+    )
+    parser.add_argument("--batch-samples", type=int, default=4096, help="scale --model dlrm: samples a step")
+    parser.add_argument(
+        "--dense-precision", choices=["fp32", "bf16"], default="fp32", help="scale --model dlrm"
+    )
+    parser.add_argument("--features", type=int, default=26, help="scale --model dlrm: sparse features")
+    parser.add_argument("--threads", type=int, default=2, help="scale --model dlrm: torch threads")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--memory-gb", type=float, default=0.2, help="scale: the tiered table's budget")
     parser.add_argument("--rounds", type=int, default=5)
