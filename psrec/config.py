@@ -76,6 +76,13 @@ class StorageConfig(_Strict):
         None, gt=0, description="memory each shard gives this table: hot rows, their state, both indexes"
     )
     disk_dir: str = Field(min_length=1, description="a local directory for the cold rows (SSD)")
+    prefetch_min_rows: int = Field(
+        256,
+        ge=0,
+        description="read the cold rows of each next batch ahead, on a background thread, while the table's "
+        "last training pull promoted at least this many rows (for fewer, issuing the read costs more than "
+        "it saves); 0: always",
+    )
 
     @model_validator(mode="after")
     def _one_budget(self) -> StorageConfig:

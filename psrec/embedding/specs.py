@@ -215,6 +215,7 @@ class StorageSpec:
 
     memory_rows: int
     disk_dir: str
+    prefetch_min_rows: int = 256  # see `TieredTable.prefetch_min_rows`
 
     def __post_init__(self) -> None:
         _require(
@@ -226,6 +227,12 @@ class StorageSpec:
         _require(
             isinstance(self.disk_dir, str) and bool(self.disk_dir),
             f"storage disk_dir must be a non-empty path, got {self.disk_dir!r}",
+        )
+        _require(
+            isinstance(self.prefetch_min_rows, int)
+            and not isinstance(self.prefetch_min_rows, bool)
+            and self.prefetch_min_rows >= 0,
+            f"storage prefetch_min_rows must be an int >= 0, got {self.prefetch_min_rows!r}",
         )
 
 

@@ -44,6 +44,10 @@ from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, spec_options
 from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, VICTIM_SAMPLE, coldest, sample_rows
 
+# A coming pull's cold rows are read ahead while the table's last training pull promoted this many:
+# for fewer, issuing the read costs more than the read it moves (docs/benchmarks.md, "Disk tier").
+PREFETCH_MIN_ROWS = 256
+
 DEMOTION_SLACK = 0.05
 OPTIMIZER_PREFIX = "optimizer_state/"
 
@@ -58,6 +62,7 @@ def build_table(spec: TableSpec) -> EmbeddingTable:
         **{**spec_options(spec), "initial_rows": min(spec.initial_rows, spec.storage.memory_rows)},
         memory_rows=spec.storage.memory_rows,
         disk_dir=spec.storage.disk_dir,
+        prefetch_min_rows=spec.storage.prefetch_min_rows,
     )
 
 
@@ -131,6 +136,7 @@ class TieredTable(EmbeddingTable):
         policy: str = "lfu",
         half_life_steps: float = AGING_HALF_LIFE_STEPS,
         victim_sample: int = VICTIM_SAMPLE,
+        prefetch_min_rows: int = PREFETCH_MIN_ROWS,
         **table_arguments: Any,
     ) -> None:
         populate = table_arguments.pop("populate", True)
@@ -158,6 +164,17 @@ class TieredTable(EmbeddingTable):
         ):
             raise ValueError(self._message(f"victim_sample must be an int >= 0, got {victim_sample!r}"))
         self.victim_sample = int(victim_sample)
+        if (
+            isinstance(prefetch_min_rows, bool)
+            or not isinstance(prefetch_min_rows, int)
+            or prefetch_min_rows < 0
+        ):
+            raise ValueError(
+                self._message(f"prefetch_min_rows must be an int >= 0, got {prefetch_min_rows!r}")
+            )
+        # A shard reads a coming pull's cold rows ahead while the last training pull promoted at least
+        # this many (`psrec.ps.shard.ParameterShard.prefetch`).
+        self.prefetch_min_rows = prefetch_min_rows
         self._victim_rng = np.random.default_rng(self.seed)
         layout = RecordLayout(self.dim, precision=self.precision, optimizer=self.optimizer.name)
         self._cold = DiskTier(disk_dir, layout, table=name, segment_rows=segment_rows_for(self.memory_rows))

@@ -109,6 +109,11 @@ class ShardActor:
             rows = self.shard.pull(requests, train=train)
         return {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
 
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int:
+        """Start reading a coming training pull's cold rows (`ParameterShard.prefetch`): changes no
+        result, so it is neither logged nor numbered."""
+        return self.shard.prefetch(requests)
+
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
         if self.logged is not None:  # logged as it arrived (wire precision), decoded when applied
             return self.logged.push(trainer, request_id, step, dict(gradients))
@@ -220,6 +225,13 @@ class RayConnection:
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return self._submit("push", (trainer, request_id, step, gradients))
+
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int:
+        """Tell the shard a coming training pull's ids (`ShardActor.prefetch`), not waiting for it:
+        the shard runs it before the caller's later calls, and a prefetch lost with a dying shard
+        changes nothing, so it is not kept for sending again. Returns 0 (the count is not waited for)."""
+        self.actor.prefetch.remote(requests)
+        return 0
 
     def _submit(self, method: str, args: tuple[Any, ...]) -> _RayPending:
         pending = _RayPending(self, method, args)

@@ -21,9 +21,9 @@ shards (`LocalConnection`: no Ray, no copies) and Ray actors (`psrec.ps.actors.R
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -86,6 +86,14 @@ class LocalConnection:
         return self.shard.prefetch(requests)
 
 
+@runtime_checkable
+class Prefetching(Protocol):
+    """A connection whose shard can be told a coming training pull's ids (`ParameterShard.prefetch`);
+    returns the rows it is reading, 0 where that is not known without waiting."""
+
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int: ...
+
+
 @dataclass(frozen=True)
 class RoutedIds:
     """The route step's result: each table's unique ids, grouped by owning shard.
@@ -144,6 +152,7 @@ class EmbeddingClient:
         trainer_index: int = 0,
         wire_precision: str = "fp32",
         routing_version: int = 0,
+        prefetch_tables: Collection[str] = (),
     ) -> None:
         check_precision(wire_precision)
         self.connections: list[ShardConnection] = []
@@ -155,6 +164,8 @@ class EmbeddingClient:
         self.wire_precision = wire_precision  # of pushed gradients; shards encode pulled rows (psrec.ps.wire)
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        # Tables with a disk tier: their shards are told each coming training pull's ids (`prefetch`).
+        self.prefetch_tables = frozenset(prefetch_tables)
 
     # -- route -------------------------------------------------------------------------------
     def set_routing(
@@ -267,19 +278,22 @@ class EmbeddingClient:
         return pulled
 
     def prefetch(self, routing: RoutedIds) -> int:
-        """Tell the shards in this process the ids of a coming training pull, so those with a disk
-        tier read its cold rows ahead (`ParameterShard.prefetch`); returns the rows being read.
-        Shards behind other connections are not told (their pulls read on demand)."""
+        """Tell the shards the ids of a coming training pull in the `prefetch_tables` (those with a
+        disk tier), so that they read its cold rows ahead (`ParameterShard.prefetch`) while the
+        caller computes; changes no result. Returns the rows in-process shards are reading (a shard
+        actor is not waited for). A connection without `prefetch` is not told."""
+        if not self.prefetch_tables:
+            return 0
         routing = self.current(routing)
-        pairs = self.tables_of(routing)
+        pairs = [(name, source) for name, source in self.tables_of(routing) if name in self.prefetch_tables]
         reading = 0
         for shard, connection in enumerate(self.connections):
-            if isinstance(connection, LocalConnection):
-                requests = {
-                    name: routing.routed[source].ids_per_shard[shard]
-                    for name, source in pairs
-                    if routing.routed[source].ids_per_shard[shard].size
-                }
+            requests = {
+                name: routing.routed[source].ids_per_shard[shard]
+                for name, source in pairs
+                if routing.routed[source].ids_per_shard[shard].size
+            }
+            if requests and isinstance(connection, Prefetching):
                 reading += connection.prefetch(requests)
         return reading
 

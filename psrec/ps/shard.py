@@ -26,7 +26,6 @@ import numpy as np
 from psrec.embedding import EmbeddingTable, TableDelta, TableState, TieredTable
 
 logger = logging.getLogger(__name__)
-PREFETCH_MIN_ROWS = 256  # a disk-tier table is told a coming pull's ids when its last one promoted this many
 
 # table name -> (unique ids, gradient rows)
 TableGradients = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -126,14 +125,14 @@ class ParameterShard:
     def prefetch(self, requests: dict[str, np.ndarray]) -> int:
         """Start reading the cold rows of a coming training pull's ids while the caller computes
         (`TieredTable.prefetch`), in the tables with a disk tier whose last such pull promoted at
-        least ``PREFETCH_MIN_ROWS`` rows (for fewer, issuing it costs more than the read it moves);
-        returns the rows being read. Changes no result: the pull that follows returns what it would
+        least their ``prefetch_min_rows`` rows (for fewer, issuing it costs more than the read it
+        moves); returns the rows being read. Changes no result: the pull that follows returns what it would
         without it."""
         return sum(
             table.prefetch(ids)
             for name, ids in requests.items()
             if isinstance(table := self._table(name), TieredTable)
-            and table.last_promotions >= PREFETCH_MIN_ROWS
+            and table.last_promotions >= table.prefetch_min_rows
         )
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:

@@ -86,7 +86,11 @@ def storage_spec(name: str, config: TableConfig, *, shard_rows: int) -> StorageS
         )
     except DiskTierError as error:
         raise ConfigError(str(error)) from None
-    return StorageSpec(memory_rows=memory_rows, disk_dir=os.path.abspath(directory))
+    return StorageSpec(
+        memory_rows=memory_rows,
+        disk_dir=os.path.abspath(directory),
+        prefetch_min_rows=storage.prefetch_min_rows,
+    )
 
 
 def uses_linear_terms(config: RunConfig) -> bool:

@@ -24,9 +24,10 @@ Task parallelism (the step's stages overlap, none of it changes a result):
 - **input + routing**: a planner thread reads the next batches and routes them (dedup, per-shard
   split) while the current step computes; it takes exactly the batches `run` will train on, so the
   reader's position stays exact for checkpoints;
-- **next batch's cold rows**: with one trainer, once a step's rows are pulled and the next batch
-  is already routed, its ids go to the shards in this process (`EmbeddingClient.prefetch`), whose
-  disk tiers read its cold rows on a background thread during the step;
+- **next batch's cold rows**: once a step's rows are pulled and the next batch is already routed
+  (and its pull not yet sent), its ids in the tables with a disk tier go to the shards, in this
+  process or behind Ray actors (`EmbeddingClient.prefetch`), whose disk tiers read its cold rows on
+  a background thread during the step;
 - **next pull**: the next batch's pull is submitted as early as exactness allows: right after this
   step's push with one trainer (per-caller order puts it behind the push) and in async mode, right
   after the dense allreduce with N sync trainers (the allreduce proves every push of the step was
@@ -286,7 +287,7 @@ class StepRunner:
                     current = ahead.popleft()
                     start = time.perf_counter()
                     pulled = self.client.collect_pull(current.plan, current.request)
-                    if not ahead and self.world_size == 1:
+                    if not ahead:
                         self._prefetch_next(planner)
                     self.timer.add("pull", start)
                     result = self._train(current.batch, current.plan, pulled, step, submit_next)

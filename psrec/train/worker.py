@@ -154,14 +154,16 @@ class TrainerWorker:
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
             if local:  # pulls and pushes run on the training thread: input threads hold back then
                 self._input_gate = InputGate()
+            specs = builders.table_specs(self.config)
             client = EmbeddingClient(
                 connections,
                 builders.bucket_map(self.config) if bucket_map is None else bucket_map,
-                table_dims={name: spec.dim for name, spec in builders.table_specs(self.config).items()},
+                table_dims={name: spec.dim for name, spec in specs.items()},
                 wire_precision=self.config.ps.wire_precision if not local else "fp32",
                 linear_terms=self._linear_terms(),
                 trainer_index=trainer_index // self.num_stages,
                 routing_version=routing_version,
+                prefetch_tables=[name for name, spec in specs.items() if spec.storage is not None],
             )
             self._build_runner(client)
         self.step = 0

@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 
 from psrec.config import ConfigError
-from psrec.ps import shard as shard_module
 from psrec.train.loop import train
 from tests.conftest import small_run_config
 
 MEMORY_ROWS = 40  # per table and shard: the tiny run's larger tables hold hundreds of rows per shard
 
 
-def _storage(directory: Path) -> dict[str, Any]:
+def _storage(directory: Path, **options: Any) -> dict[str, Any]:
     directory.mkdir(exist_ok=True)
-    return {"embedding.default.storage": {"memory_rows": MEMORY_ROWS, "disk_dir": str(directory)}}
+    return {"embedding.default.storage": {"memory_rows": MEMORY_ROWS, "disk_dir": str(directory), **options}}
 
 
 def _assert_same_run(plain: dict[str, Any], tiered: dict[str, Any]) -> None:
@@ -65,16 +64,18 @@ def test_tiered_checkpoint_resume_equals_uninterrupted_run(synthetic_sources, tm
     assert resumed["validation"] == plain["validation"]
 
 
-@pytest.mark.slow  # about 40 s on 2 loaded cores
 @pytest.mark.ray
 @pytest.mark.usefixtures("ray_cluster")
-def test_ray_run_equals_in_memory_run(synthetic_sources, tmp_path):
-    ray = {"ps.runtime": "ray", "ps.num_shards": 2}
+def test_ray_run_equals_in_memory_run_and_its_shard_actors_read_ahead(synthetic_sources, tmp_path):
+    """On Ray the trainer tells the shard actors each next batch's ids too: their prefetches serve
+    promotions, and the run ends with the in-memory run's model."""
+    ray = {"ps.runtime": "ray", "ps.num_shards": 2, "training.max_steps": 24}
     plain = train(small_run_config(synthetic_sources, tmp_path / "plain", **ray))
-    tiered = train(
-        small_run_config(synthetic_sources, tmp_path / "tiered", **ray, **_storage(tmp_path / "disk"))
-    )
+    storage = _storage(tmp_path / "disk", prefetch_min_rows=1)
+    tiered = train(small_run_config(synthetic_sources, tmp_path / "tiered", **ray, **storage))
     _assert_same_run(plain, tiered)
+    tables = [stats for stats in tiered["tables"].values() if "disk_rows" in stats]
+    assert sum(stats["prefetch_hits"] for stats in tables) > 0
 
 
 @pytest.mark.parametrize("problem", ["missing", "file", "full"])
@@ -132,16 +133,15 @@ def _serving_tables(run_dir: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return {name: (table.ids, table.values()) for name, table in tables.items()}
 
 
-def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path, monkeypatch):
+def test_export_and_stats_of_a_run_with_a_disk_tier(synthetic_sources, tmp_path):
     """The serving tables exported from a run whose rows mostly lived on disk equal those of the
     in-memory run, id for id and bit for bit; summary.json carries the tiers' per-step rates, and
     the trainer's prefetches of each next batch's cold rows served promotions."""
     options = {"checkpoint.every_steps": 10}
-    monkeypatch.setattr(shard_module, "PREFETCH_MIN_ROWS", 1)  # this run's tables promote a few rows a step
+    # this run's tables promote a few rows a step: prefetch whatever they promote
+    storage = _storage(tmp_path / "d", prefetch_min_rows=1)
     plain = train(small_run_config(synthetic_sources, tmp_path / "plain", **options))
-    tiered = train(
-        small_run_config(synthetic_sources, tmp_path / "tiered", **options, **_storage(tmp_path / "d"))
-    )
+    tiered = train(small_run_config(synthetic_sources, tmp_path / "tiered", **options, **storage))
     _assert_same_run(plain, tiered)
     _assert_tier_rates(tiered)
     expected, exported = _serving_tables(tmp_path / "plain"), _serving_tables(tmp_path / "tiered")

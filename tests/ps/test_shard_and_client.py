@@ -133,18 +133,18 @@ def test_a_table_without_gradients_pushes_zeros_and_every_shard_gets_the_push() 
     assert [s.pushes_dropped for s in shards] == [1, 1]
 
 
-def test_shard_prefetches_only_disk_tier_tables_whose_pulls_promote_enough(tmp_path, monkeypatch):
+def test_shard_prefetches_only_disk_tier_tables_whose_pulls_promote_enough(tmp_path):
     """`ParameterShard.prefetch` reads ahead in a TieredTable whose last training pull promoted at
-    least PREFETCH_MIN_ROWS rows, not in one below it nor in an in-memory table; a prefetched pull
-    returns the rows of a pull without it."""
+    least its prefetch_min_rows rows, not in one below it nor in an in-memory table; a prefetched
+    pull returns the rows of a pull without it."""
     from psrec.embedding import EmbeddingTable, SparseOptimizerSpec, TieredTable
     from psrec.ps import shard as shard_module
 
-    monkeypatch.setattr(shard_module, "PREFETCH_MIN_ROWS", 50)
     optimizer = SparseOptimizerSpec("sgd", lr=0.1)
+    tiered = {"memory_rows": 20, "disk_dir": str(tmp_path), "optimizer": optimizer, "prefetch_min_rows": 50}
     tables = {
-        "big": TieredTable("big", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer),
-        "small": TieredTable("small", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer),
+        "big": TieredTable("big", 4, **tiered),
+        "small": TieredTable("small", 4, **tiered),
         "plain": EmbeddingTable("plain", 4, optimizer=optimizer),
     }
     oracle = TieredTable("big", 4, memory_rows=20, disk_dir=str(tmp_path), optimizer=optimizer)
@@ -160,3 +160,52 @@ def test_shard_prefetches_only_disk_tier_tables_whose_pulls_promote_enough(tmp_p
     assert tables["small"]._cold._prefetch is None
     assert shard.pull({"big": many})["big"].tobytes() == oracle.pull(many).tobytes()
     assert tables["big"].tier_stats()["prefetch_hits"] > 0
+
+
+class _RecordingConnection(LocalConnection):
+    """An in-process connection that records what it is told to prefetch."""
+
+    def __init__(self, shard: ParameterShard) -> None:
+        super().__init__(shard)
+        self.prefetched: list[dict[str, np.ndarray]] = []
+
+    def prefetch(self, requests: dict[str, np.ndarray]) -> int:
+        self.prefetched.append({name: ids.copy() for name, ids in requests.items()})
+        return super().prefetch(requests)
+
+
+class _NoPrefetch:
+    """A connection without `prefetch` (as a pipeline stage's): never told."""
+
+    def __init__(self, shard: ParameterShard) -> None:
+        self.inner = LocalConnection(shard)
+
+    def pull(self, requests, *, train, request=None):
+        return self.inner.pull(requests, train=train, request=request)
+
+    def push(self, trainer, request_id, step, gradients):
+        return self.inner.push(trainer, request_id, step, gradients)
+
+
+def test_client_tells_each_shard_its_ids_of_the_disk_tier_tables_only() -> None:
+    """`EmbeddingClient.prefetch` sends each shard the ids it owns of the `prefetch_tables` alone
+    (the routing's ids, every one to exactly its owner), nothing without such tables (a run with no
+    disk tier pays no call), and skips connections that cannot prefetch."""
+    shards = make_shards(3)
+    recording = [_RecordingConnection(shards[0]), _RecordingConnection(shards[1])]
+    connections = [*recording, _NoPrefetch(shards[2])]
+    bucket_map = default_bucket_map(16, 3)
+    ids = np.arange(0, 300, 7, dtype=np.int64)
+    starts = np.array([0, ids.size, 2 * ids.size], dtype=np.int64)
+    quiet = EmbeddingClient(connections, bucket_map, table_dims={"t": DIM, "u": DIM})
+    routing, _, _ = quiet.route(np.concatenate([ids, ids]), table_starts=starts, tables=["t", "u"])
+    assert quiet.prefetch(routing) == 0
+    assert all(not connection.prefetched for connection in recording)
+
+    client = EmbeddingClient(connections, bucket_map, table_dims={"t": DIM, "u": DIM}, prefetch_tables=["u"])
+    client.prefetch(routing)
+    owners = bucket_map[bucket_of(ids, 16)]
+    for shard, connection in enumerate(recording):
+        (told,) = connection.prefetched
+        assert list(told) == ["u"]
+        np.testing.assert_array_equal(np.sort(told["u"]), np.sort(ids[owners == shard]))
