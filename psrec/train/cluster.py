@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import secrets
+import socket
 import stat
 import time
 from collections.abc import Iterator
@@ -48,10 +49,20 @@ def start_ray(
     """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable
     or, for `address`, if no authentication token is found. omp_passive: the workers' OpenMP threads
     sleep when idle (OMP_WAIT_POLICY=PASSIVE unless this process sets it); False leaves OpenMP's own
-    default (the benchmarks compare both)."""
+    default (the benchmarks compare both).
+
+    A process already connected to Ray keeps its cluster: address None uses it, and an `address`
+    naming another cluster is a ConfigError (a process joins one Ray cluster at a time)."""
     import ray
 
     if ray.is_initialized():
+        connected = ray.get_runtime_context().gcs_address
+        if address is not None and not same_cluster(address, connected):
+            raise ConfigError(
+                f"ps.address {address!r}: this process is connected to the Ray cluster at {connected!r} "
+                "already, and a process joins one cluster at a time. Run the job in a new process (or "
+                "call ray.shutdown() first), or set ps.address to that cluster."
+            )
         return
     check_ray_version(ray.__version__)
     if address is not None:
@@ -84,6 +95,25 @@ def start_ray(
             f"ps.address: could not start or join {where}: {error}. Check the address (ray status on the "
             "head node prints it) or leave ps.address empty to run on this machine."
         ) from None
+
+
+def same_cluster(address: str, gcs_address: str) -> bool:
+    """Whether `address` (HOST:PORT as ps.address takes it, or "auto") names the cluster whose GCS
+    listens at `gcs_address` (IP:PORT): host names are resolved, "localhost" is the loopback."""
+    if address == "auto":
+        return True
+
+    def endpoint(value: str) -> tuple[str, str]:
+        host, _, port = value.rpartition(":")
+        host = host.strip("[]")
+        if host == "localhost":
+            return LOOPBACK, port
+        try:
+            return socket.gethostbyname(host), port
+        except OSError:
+            return host, port
+
+    return endpoint(address) == endpoint(gcs_address)
 
 
 def _wait_policy(passive: bool) -> dict[str, str]:

@@ -8,6 +8,7 @@ test that asks for it to the end of the module.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -161,3 +162,32 @@ def test_embedded_job_listens_on_loopback_only(
         assert not outside, f"listening beyond loopback (pid, protocol, address, port): {outside}"
     finally:
         runtime.shutdown()
+
+
+def test_an_address_names_the_cluster_whose_gcs_listens_there() -> None:
+    from psrec.train.cluster import same_cluster
+
+    assert same_cluster("127.0.0.1:6379", "127.0.0.1:6379")
+    assert same_cluster("localhost:6379", "127.0.0.1:6379")
+    assert same_cluster("auto", "10.0.0.5:6379")
+    assert not same_cluster("127.0.0.1:6380", "127.0.0.1:6379")
+    assert not same_cluster("10.0.0.6:6379", "10.0.0.5:6379")
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_process_connected_to_one_cluster_refuses_an_address_of_another() -> None:
+    """train() twice in one process with different ps.address values: the second is a ConfigError
+    naming both clusters, not a silent run on the first; its own address or none keeps it."""
+    import ray
+
+    from psrec.train.cluster import start_ray
+
+    connected = ray.get_runtime_context().gcs_address
+    host, _, port = connected.rpartition(":")
+    other = f"{host}:{int(port) + 1}"
+    with pytest.raises(ConfigError, match=re.escape(other) + ".*" + re.escape(connected)):
+        start_ray(other)
+    start_ray(connected)
+    start_ray(None)
+    assert ray.is_initialized() and ray.get_runtime_context().gcs_address == connected
