@@ -26,6 +26,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 import uuid
 import zipfile
 from collections.abc import Callable, Mapping
@@ -173,10 +174,25 @@ def write_arrays(
     return atomic_write(path, write, sync_directory=sync_directory)
 
 
-def read_arrays(path: Location) -> dict[str, np.ndarray]:
-    source = io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path
+# NumPy parses every .npy header with `ast.literal_eval`, and CPython 3.11 builds AST objects with
+# interpreter-wide state: two threads doing it at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905). Checkpoints are read in threads (one per file),
+# so their members are decoded one at a time; the bytes of a stored file are fetched before that.
+_DECODE_LOCK = threading.Lock()
+
+
+def read_npz(source: str | os.PathLike[str] | IO[bytes]) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` (no pickle), safe to call from several threads at once."""
     with np.load(source, allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
+        arrays = {}
+        for name in archive.files:
+            with _DECODE_LOCK:
+                arrays[name] = archive[name]
+        return arrays
+
+
+def read_arrays(path: Location) -> dict[str, np.ndarray]:
+    return read_npz(io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path)
 
 
 def write_torch_state(

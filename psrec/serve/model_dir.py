@@ -223,9 +223,8 @@ def read_model_dir(
     programs: dict[str, bytes] = {}
     for name, data in blobs.items():
         if name.startswith(f"{TABLES_DIR}/"):
-            with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-                table = name.removeprefix(f"{TABLES_DIR}/").removesuffix(".npz")
-                tables[table] = {key: archive[key] for key in archive.files}
+            table = name.removeprefix(f"{TABLES_DIR}/").removesuffix(".npz")
+            tables[table] = files.read_npz(io.BytesIO(data))
         else:
             programs[name] = data
     if serving.get("version") != manifest.get("version"):
