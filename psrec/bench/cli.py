@@ -180,7 +180,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"DLRM dim {workload['dim']}, {sparse} sparse features, batch {workload['batch_size']}, "
         f"{workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
-        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
+        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
+        + (f", {machine['load_average_end'][0]:.2f} at end" if "load_average_end" in machine else ""),
         "wall: median samples/s and within-round ratios, each to the system of that kind at the same "
         "precision ('-': none ran; x TF: to TensorFlow; x peer: to the fastest of PyTorch, TorchRec "
         "and TensorFlow in each round; of ceil: to the ceiling at the same precision and compile); "

@@ -397,6 +397,7 @@ def run_bench(
     requested = resolve_systems(systems)
     systems = list(requested)
     sources = prepare_sources(workload)
+    machine = machine_description()  # before the runs: its load average is the load they start under
     runs: list[dict[str, Any]] = []
     for round_index in range(rounds):
         for name in systems:
@@ -413,7 +414,7 @@ def run_bench(
                 runs.extend({**result, "round": r} for r in range(round_index + 1, rounds))
     return {
         "workload": workload.to_dict(),
-        "machine": machine_description(),
+        "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "rounds": rounds,
         "runs": runs,
         "rows": summarize(runs, requested),

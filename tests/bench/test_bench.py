@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from psrec.bench import cli as commands
+from psrec.bench import harness
 from psrec.bench.harness import (
     DEFAULT_SYSTEMS,
     REFERENCES,
@@ -254,3 +255,15 @@ def test_isolated_run_reports_from_its_own_process(tmp_path: Path) -> None:
     report = run_bench(tiny_workload(tmp_path / "cache"), ["pytorch"], rounds=1, isolate=True)
     (row,) = report["rows"]
     assert row["status"] == "ok" and row["samples_per_second"] > 0
+
+
+def test_load_average_is_read_before_and_after_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readings = iter([(1.0, 1.0, 1.0), (3.0, 2.0, 1.0)])
+    monkeypatch.setattr(harness.os, "getloadavg", lambda: next(readings))
+    report = run_bench(tiny_workload(tmp_path / "cache"), ["ceiling"], rounds=1, isolate=False)
+    assert report["machine"]["load_average"][0] == 1.0  # before the first run
+    assert report["machine"]["load_average_end"][0] == 3.0
+    header = commands.format_table(report).splitlines()[0]
+    assert "load 1.00 at start, 3.00 at end" in header
