@@ -1,4 +1,4 @@
-"""`psrec bench`: psrec vs plain PyTorch, TorchRec and the dense-only ceiling, in one invocation.
+"""`psrec bench`: psrec vs plain PyTorch, TorchRec, TensorFlow and the dense-only ceiling, in one invocation.
 
     psrec bench --dim 64 --rounds 3                        # the issue's table (a b c d e)
     psrec bench --systems a,c --steps 6 --profile          # psrec's per-phase breakdown
@@ -16,11 +16,13 @@ psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expe
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
 `populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
-pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process), tensorflow (the DLRM in
-TensorFlow/Keras, run by the Python given with --tf-python; skipped without one). Every ratio is taken
-between equal precisions: "x pytorch" of a bf16 system divides by pytorch-bf16, "of ceil" by the
-dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the compiled one);
-only "x fp32*" crosses precisions (over the same system in fp32) and says so.
+pytorch-passive (PASSIVE: OMP_WAIT_POLICY=PASSIVE in the system's process), tensorflow and
+tensorflow-bf16 (the DLRM in TensorFlow/Keras, fp32 and under Keras' mixed_bfloat16 policy, run by
+the Python given with --tf-python; skipped without one). Every ratio is taken between equal
+precisions: "x pytorch" of a bf16 system divides by pytorch-bf16, "x TF" by tensorflow-bf16, "x peer"
+by the fastest of the PyTorch, TorchRec and TensorFlow systems at its precision in each round, "of
+ceil" by the dense-only ceiling at the system's settings (bf16 by ceiling-bf16, compiled by the
+compiled one); only "x fp32*" crosses precisions (over the same system in fp32) and says so.
 
 Multi-hot (--multi-hot FEATURES:POOLING[:fixed|variable]): FEATURES more sparse features M1..Mk after
 Criteo's 26, each a bag of POOLING ids per sample ("fixed", the default) or of a uniform number in
@@ -44,7 +46,7 @@ from psrec.bench.workload import Workload, parse_multi_hot
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench",
-        help="benchmark psrec against plain PyTorch, TorchRec and the dense-only ceiling",
+        help="benchmark psrec against plain PyTorch, TorchRec, TensorFlow and the dense-only ceiling",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -81,7 +83,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--plot-add", nargs="*", default=[], help="earlier --json reports to plot alongside")
     parser.add_argument(
         "--tf-python",
-        help="Python of an environment with TensorFlow for the 'tensorflow' system "
+        help="Python of an environment with TensorFlow for the 'tensorflow' systems "
         "(sets PSREC_BENCH_TF_PYTHON; e.g. /tmp/tfvenv/bin/python)",
     )
     parser.add_argument("--no-isolate", action="store_true", help="run systems in this process (debugging)")
@@ -178,15 +180,17 @@ def format_table(report: dict[str, Any]) -> str:
         f"DLRM dim {workload['dim']}, {sparse} sparse features, batch {workload['batch_size']}, "
         f"{workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
-        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start",
+        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
+        + (f", {machine['load_average_end'][0]:.2f} at end" if "load_average_end" in machine else ""),
         "wall: median samples/s and within-round ratios, each to the system of that kind at the same "
-        "precision ('-': none ran; of ceil: to the ceiling at the same precision and compile); "
+        "precision ('-': none ran; x TF: to TensorFlow; x peer: to the fastest of PyTorch, TorchRec "
+        "and TensorFlow in each round; of ceil: to the ceiling at the same precision and compile); "
         "x fp32*: CROSS-PRECISION, over the same system in fp32; cpu: samples per CPU-second (all "
         "threads and processes) and its ratios; best: fastest step (psrec: warm-up-sized chunk) of all "
         "rounds; val AUC: every embedding system gives each id its own row",
         f"{'system':20s} {'precision':15s} {'samples/s':>9s} {'x pytorch':>9s} {'x torchrec':>10s} "
-        f"{'of ceil':>7s} {'x psrec':>7s} {'x fp32*':>7s} "
-        f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'of ceil':>7s} {'best':>7s} "
+        f"{'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'x psrec':>7s} {'x fp32*':>7s} "
+        f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'best':>7s} "
         f"{'peak RSS':>8s} {'val AUC':>7s}  status",
     ]
     for row in report["rows"]:
@@ -194,10 +198,13 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{row['system']:20s} {row.get('precision', '?'):15s} {_number(row['samples_per_second'], '9.0f')} "
             f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row.get('ratio_to_torchrec'), '10.2f')} "
+            f"{_number(row.get('ratio_to_tensorflow'), '6.2f')} {_number(row.get('ratio_to_best_peer'), '6.2f')} "
             f"{_number(row['fraction_of_ceiling'], '7.2f')} {_number(row['ratio_to_psrec'], '7.2f')} "
             f"{_cross(row.get('ratio_to_fp32'))} "
             f"{_number(row.get('samples_per_cpu_second'), '9.0f')} "
             f"{_number(row.get('cpu_ratio_to_pytorch'), '9.2f')} "
+            f"{_number(row.get('cpu_ratio_to_tensorflow'), '6.2f')} "
+            f"{_number(row.get('cpu_ratio_to_best_peer'), '6.2f')} "
             f"{_number(row.get('cpu_fraction_of_ceiling'), '7.2f')} "
             f"{_number(row.get('best_step_samples_per_second'), '7.0f')} "
             f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')}  "

@@ -194,6 +194,14 @@ _SYSTEMS = [
         "TensorFlow/Keras DLRM (Adagrad + Adam), its own Python process",
         tf_system.run_tensorflow,
     ),
+    System(
+        "tensorflow-bf16",
+        "TensorFlow/Keras DLRM, Keras mixed_bfloat16 policy (fp32 tables)",
+        partial(tf_system.run_tensorflow, bf16=True),
+        ceiling="ceiling-bf16",
+        precision="bf16",
+        fp32_twin="tensorflow",
+    ),
     System("ceiling", "(e) dense-only ceiling fp32", torch_systems.run_ceiling),
     System(
         "ceiling-bf16",
@@ -282,11 +290,12 @@ _SYSTEMS = [
     ),
 ]
 SYSTEMS: dict[str, System] = {system.name: system for system in _SYSTEMS}
-# "x pytorch", "x torchrec" and "x psrec" divide by the system of that kind at the same precision,
-# and show "-" where none ran: a bf16 system is never divided by an fp32 baseline.
+# "x pytorch", "x torchrec", "x TF" and "x psrec" divide by the system of that kind at the same
+# precision, and show "-" where none ran: a bf16 system is never divided by an fp32 baseline.
 REFERENCES: dict[str, dict[str, str]] = {
     "pytorch": {"fp32": "pytorch", "bf16": "pytorch-bf16"},
     "torchrec": {"fp32": "torchrec", "bf16": "torchrec-bf16", "fp32, fp16 rows": "torchrec-fp16rows"},
+    "tensorflow": {"fp32": "tensorflow", "bf16": "tensorflow-bf16"},
     "psrec": {
         "fp32": "psrec",
         "bf16": "psrec-bf16",
@@ -294,6 +303,9 @@ REFERENCES: dict[str, dict[str, str]] = {
         "fp32, int8 rows": "psrec-int8rows",
     },
 }
+# The other systems psrec is measured against; "x best peer" divides by the fastest of them (at the
+# same precision, within each round).
+PEERS = ("pytorch", "torchrec", "tensorflow")
 ALIASES: dict[str, list[str]] = {
     "a": ["pytorch", "pytorch-bf16"],
     "b": ["torchrec", "torchrec-bf16"],
@@ -315,7 +327,7 @@ DEFAULT_SYSTEMS = [
 
 
 def reference(name: str, kind: str) -> str | None:
-    """The system of `kind` ("pytorch", "torchrec", "psrec") at `name`'s precision, if there is one."""
+    """The system of `kind` ("pytorch", "torchrec", "tensorflow", "psrec") at `name`'s precision, if any."""
     return REFERENCES[kind].get(SYSTEMS[name].precision)
 
 
@@ -385,6 +397,7 @@ def run_bench(
     requested = resolve_systems(systems)
     systems = list(requested)
     sources = prepare_sources(workload)
+    machine = machine_description()  # before the runs: its load average is the load they start under
     runs: list[dict[str, Any]] = []
     for round_index in range(rounds):
         for name in systems:
@@ -401,7 +414,7 @@ def run_bench(
                 runs.extend({**result, "round": r} for r in range(round_index + 1, rounds))
     return {
         "workload": workload.to_dict(),
-        "machine": machine_description(),
+        "machine": {**machine, "load_average_end": list(os.getloadavg())},
         "rounds": rounds,
         "runs": runs,
         "rows": summarize(runs, requested),
@@ -415,8 +428,10 @@ def _median(values: list[float]) -> float | None:
 def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, Any]]:
     """One row per system: median samples/s, median within-round ratios to the baselines and ceiling.
 
-    Ratios are taken only between equal precisions: "x pytorch", "x torchrec" and "x psrec" divide by
-    that kind's system at the same precision (`reference`), and the ceiling of a system is the
+    Ratios are taken only between equal precisions: "x pytorch", "x torchrec", "x tensorflow" and
+    "x psrec" divide by that kind's system at the same precision (`reference`); "x best peer" divides,
+    in each round, by the fastest of the PyTorch, TorchRec and TensorFlow systems at that precision
+    that ran in it (by the same measure: wall or CPU); and the ceiling of a system is the
     dense-only ceiling at its settings (`System.ceiling`: bf16 systems against "ceiling-bf16",
     compiled ones against the compiled ceiling); each is None when that system did not run. The one
     cross-precision figure, `ratio_to_fp32`, divides by the system's fp32 twin (`System.fp32_twin`:
@@ -443,11 +458,23 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
                 out.append(value / reference)
         return out
 
+    def best_peer_ratios(name: str, key: str) -> list[float]:
+        peers = [target for target in (reference(name, kind) for kind in PEERS) if target is not None]
+        out: list[float] = []
+        for per_system in by_round.values():
+            value = rate(per_system.get(name), key)
+            best = max((r for r in (rate(per_system.get(p), key) for p in peers) if r), default=None)
+            if value is not None and best:
+                out.append(value / best)
+        return out
+
     rows = []
     for name in systems:
         system = SYSTEMS[name]
         ceiling = system.ceiling
-        pytorch, torchrec, psrec = (reference(name, kind) for kind in ("pytorch", "torchrec", "psrec"))
+        pytorch, torchrec, tensorflow, psrec = (
+            reference(name, kind) for kind in ("pytorch", "torchrec", "tensorflow", "psrec")
+        )
         mine = [r for r in runs if r["system"] == name]
         rates = [v for v in (rate(r) for r in mine) if v is not None]
         cpu_rates = [v for v in (rate(r, "samples_per_cpu_second") for r in mine) if v is not None]
@@ -462,6 +489,8 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             "samples_per_second_all": rates,
             "ratio_to_pytorch": _median(ratios(name, pytorch, "samples_per_second")),
             "ratio_to_torchrec": _median(ratios(name, torchrec, "samples_per_second")),
+            "ratio_to_tensorflow": _median(ratios(name, tensorflow, "samples_per_second")),
+            "ratio_to_best_peer": _median(best_peer_ratios(name, "samples_per_second")),
             "fraction_of_ceiling": _median(ratios(name, ceiling, "samples_per_second")),
             "ratio_to_psrec": _median(ratios(name, psrec, "samples_per_second")),
             # Cross-precision: over the same system in fp32 (psrec-bf16 / psrec), labelled so.
@@ -469,6 +498,8 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             # Load-robust companions: samples per CPU-second, and the best step (chunk) seen.
             "samples_per_cpu_second": _median(cpu_rates),
             "cpu_ratio_to_pytorch": _median(ratios(name, pytorch, "samples_per_cpu_second")),
+            "cpu_ratio_to_tensorflow": _median(ratios(name, tensorflow, "samples_per_cpu_second")),
+            "cpu_ratio_to_best_peer": _median(best_peer_ratios(name, "samples_per_cpu_second")),
             "cpu_fraction_of_ceiling": _median(ratios(name, ceiling, "samples_per_cpu_second")),
             "best_step_samples_per_second": max(best) if best else None,
             "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in mine), default=0) or None,

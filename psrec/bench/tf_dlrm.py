@@ -16,7 +16,14 @@ split `dense` (R, 13) float32 (already transformed), `labels` (R,), and per spar
 
 trained with Adagrad on the tables (one accumulator per element, as `torch.optim.Adagrad`: duplicate
 rows summed, then `a += g**2; w -= lr * g / (sqrt(a) + eps)` on the touched rows only) and Keras Adam
-on the MLPs, binary cross-entropy on logits, under `threads` intra-op threads. The tables' Adagrad is
+on the MLPs, binary cross-entropy on logits, under `threads` intra-op threads.
+
+With `"precision": "bf16"` (the "tensorflow-bf16" system) the script first sets Keras' global
+`mixed_bfloat16` policy: the MLP layers keep fp32 variables and compute in bf16, the tables stay fp32
+variables (and their Adagrad fp32), each feature's pooled rows are summed in fp32 and cast once to
+bf16, as psrec's and PyTorch's bf16 embedding paths hand their rows to the model (for a bag of one id
+the same as Keras' `Embedding` under the policy, which casts the looked-up rows), the interaction and
+the top MLP run in bf16, and the logits are cast to fp32 for the loss and the scores. The tables' Adagrad is
 TensorFlow's sparse kernel (`ResourceSparseApplyAdagradV2`, what TensorFlow's own pre-Keras-3
 optimizers applied to `tf.IndexedSlices`): Keras 3's `Adagrad` computes `sqrt(a + eps)` over the whole
 table at every step (130 ms per step for one 1M x 64 table on this machine's 2 threads). Warm-up steps run first (they trace the `tf.function`), then the timed
@@ -67,6 +74,12 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     tf.random.set_seed(int(request["seed"]))
     keras = tf.keras
+    precision = request.get("precision", "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, not {precision!r}")
+    # Keras layers built from here on keep fp32 variables and compute in the policy's dtype.
+    keras.mixed_precision.set_global_policy("mixed_bfloat16" if precision == "bf16" else "float32")
+    compute = tf.bfloat16 if precision == "bf16" else tf.float32
     dim, sizes = int(request["dim"]), [int(size) for size in request["table_sizes"]]
     num_sparse = len(sizes)
     scale = float(request["init_scale"])
@@ -109,14 +122,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     def logits(dense: Any, ids: list[Any], bags: list[Any], batch: Any) -> Any:
         b = bottom(dense)  # (B, D)
-        pooled = [
-            tf.math.unsorted_segment_sum(tf.gather(table, feature_ids), feature_bags, batch)
+        pooled = [  # fp32 sums of fp32 rows, cast once to the compute dtype
+            tf.cast(tf.math.unsorted_segment_sum(tf.gather(table, feature_ids), feature_bags, batch), compute)
             for table, feature_ids, feature_bags in zip(tables, ids, bags, strict=True)
         ]
         vectors = tf.stack([b, *pooled], axis=1)  # (B, F + 1, D)
         products = tf.reshape(tf.matmul(vectors, vectors, transpose_b=True), (batch, -1))  # (B, (F+1)^2)
         z = tf.concat([b, tf.gather(products, flat_upper, axis=1)], axis=1)  # (B, D + pairs)
-        return tf.squeeze(top(z), axis=1)  # (B,)
+        return tf.cast(tf.squeeze(top(z), axis=1), tf.float32)  # (B,) logits in fp32 for the loss
 
     @tf.function
     def train_step(dense: Any, labels: Any, ids: list[Any], bags: list[Any]) -> Any:
@@ -173,6 +186,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
         "validation_scores": np.concatenate(scores).astype(float).tolist() if scores else [],
         "tensorflow": tf.__version__,
+        "precision": precision,
     }
 
 

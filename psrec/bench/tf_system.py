@@ -1,4 +1,5 @@
-"""The optional TensorFlow/Keras DLRM system of `psrec bench` ("tensorflow"), run in its own process.
+"""The optional TensorFlow/Keras DLRM systems of `psrec bench` ("tensorflow", "tensorflow-bf16"), each run
+in its own process.
 
 TensorFlow and torch rarely share an environment, so the model runs under a separate Python:
 `PSREC_BENCH_TF_PYTHON` (or `psrec bench --tf-python PATH`, which sets it), else this interpreter
@@ -11,8 +12,10 @@ Setting one up, outside the repository::
 This side reads the same batches as the PyTorch systems (psrec's reader, ids as row numbers through
 `assign_rows`, so every distinct id has its own row), writes them as `.npz`, and runs
 `tf_dlrm.py` (NumPy + TensorFlow only) on them under the workload's settings: DLRM 13-512-256-D /
-dot / 512-256-1, Adagrad on the tables, Adam on the MLPs, fp32, `workload.threads` threads. The AUC
-is computed here, with psrec's metric, from the scores the script returns.
+dot / 512-256-1, Adagrad on the tables, Adam on the MLPs, `workload.threads` threads; fp32, or with
+``bf16=True`` ("tensorflow-bf16") under Keras' `mixed_bfloat16` policy (fp32 tables and variables,
+bf16 compute, fp32 loss). The AUC is computed here, with psrec's metric, from the scores the script
+returns.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ def write_split(path: Path, batches: list[TensorBatch]) -> None:
     np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
-def run_tensorflow(workload: Workload, sources: dict[str, Any], *, timeout: float = 1800.0) -> dict[str, Any]:
+def run_tensorflow(
+    workload: Workload, sources: dict[str, Any], *, bf16: bool = False, timeout: float = 1800.0
+) -> dict[str, Any]:
     from psrec.train.metrics import auc
 
     python, reason = tensorflow_python()
@@ -92,6 +97,7 @@ def run_tensorflow(workload: Workload, sources: dict[str, Any], *, timeout: floa
             "seed": workload.seed,
             "bottom_hidden_sizes": list(BOTTOM_HIDDEN_SIZES),
             "top_hidden_sizes": list(TOP_HIDDEN_SIZES),
+            "precision": "bf16" if bf16 else "fp32",
         }
         (root / "request.json").write_text(json.dumps(request))
         env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": str(workload.threads)}

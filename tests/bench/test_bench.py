@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from psrec.bench import cli as commands
+from psrec.bench import harness
 from psrec.bench.harness import (
     DEFAULT_SYSTEMS,
     REFERENCES,
@@ -113,10 +114,14 @@ def test_ratios_are_taken_only_between_equal_precisions() -> None:
     assert rows["psrec"]["ratio_to_pytorch"] == pytest.approx(1.2)
     assert rows["psrec"]["ratio_to_torchrec"] == pytest.approx(120 / 110)
     assert rows["psrec"]["ratio_to_fp32"] is None
+    # x best peer: the fastest peer at the same precision (TorchRec for fp32, pytorch-bf16 for bf16).
+    assert rows["psrec"]["ratio_to_best_peer"] == pytest.approx(120 / 110)
+    assert bf16["ratio_to_best_peer"] == pytest.approx(2.0)
     # fp16 rows: no plain PyTorch or TorchRec with fp16 rows ran; against fp32 psrec only as "x fp32".
     fp16rows = rows["psrec-fp16rows"]
     assert fp16rows["ratio_to_pytorch"] is None and fp16rows["ratio_to_torchrec"] is None
     assert fp16rows["ratio_to_fp32"] == pytest.approx(130 / 120)
+    assert fp16rows["ratio_to_best_peer"] is None  # no peer with fp16 rows ran
     assert rows["pytorch-bf16"]["ratio_to_pytorch"] == pytest.approx(1.0)
     assert rows["pytorch-bf16"]["fraction_of_ceiling"] == pytest.approx(150 / 400)
     assert rows["ceiling-bf16"]["ratio_to_pytorch"] == pytest.approx(400 / 150)
@@ -139,6 +144,7 @@ def test_every_reference_is_a_system_of_the_same_precision() -> None:
     assert [reference("psrec-bf16", kind) for kind in REFERENCES] == [
         "pytorch-bf16",
         "torchrec-bf16",
+        "tensorflow-bf16",
         "psrec-bf16",
     ]
     assert SYSTEMS["psrec-bf16"].ceiling == "ceiling-bf16"
@@ -156,13 +162,16 @@ def test_table_shows_precisions_and_marks_the_cross_precision_figure() -> None:
     }
     lines = commands.format_table(report).splitlines()
     assert "CROSS-PRECISION" in lines[1] and "x fp32*" in lines[2] and "precision" in lines[2]
+    assert "x TF" in lines[2] and "x peer" in lines[2]
     (bf16,) = [line for line in lines if line.startswith("psrec-bf16 ")]
     cells = bf16.split()
     assert cells[1] == "bf16" and cells[3] == "2.00"  # x pytorch: over pytorch-bf16
     assert cells[4] == "-"  # x torchrec: no bf16 TorchRec in the run
+    assert cells[5] == "-"  # x TF: no TensorFlow in the run
+    assert cells[6] == "2.00"  # x peer: the fastest bf16 peer is pytorch-bf16
     assert "2.50*" in cells  # x fp32, marked
     (fp32,) = [line for line in lines if line.startswith("psrec ")]
-    assert fp32.split()[7] == "-"  # fp32 psrec has no fp32 twin: nothing crosses precisions
+    assert fp32.split()[9] == "-"  # fp32 psrec has no fp32 twin: nothing crosses precisions
 
 
 def test_step_profile_accounts_for_the_whole_step() -> None:
@@ -246,3 +255,15 @@ def test_isolated_run_reports_from_its_own_process(tmp_path: Path) -> None:
     report = run_bench(tiny_workload(tmp_path / "cache"), ["pytorch"], rounds=1, isolate=True)
     (row,) = report["rows"]
     assert row["status"] == "ok" and row["samples_per_second"] > 0
+
+
+def test_load_average_is_read_before_and_after_the_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readings = iter([(1.0, 1.0, 1.0), (3.0, 2.0, 1.0)])
+    monkeypatch.setattr(harness.os, "getloadavg", lambda: next(readings))
+    report = run_bench(tiny_workload(tmp_path / "cache"), ["ceiling"], rounds=1, isolate=False)
+    assert report["machine"]["load_average"][0] == 1.0  # before the first run
+    assert report["machine"]["load_average_end"][0] == 3.0
+    header = commands.format_table(report).splitlines()[0]
+    assert "load 1.00 at start, 3.00 at end" in header
