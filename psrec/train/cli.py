@@ -59,20 +59,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psrec.checkpoint import CheckpointError
-    from psrec.config import ConfigError, load_config
-    from psrec.data.errors import BadRowError
+    from psrec.train.startup import paused_gc
 
-    try:
-        config = load_config(args.config, overrides=_overrides(args))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    with paused_gc():  # the start-up's imports: torch, numba, pyarrow, pydantic (see paused_gc)
+        from psrec.checkpoint import CheckpointError
+        from psrec.config import ConfigError, load_config
+        from psrec.data.errors import BadRowError
+        from psrec.train.loop import train
+
+        try:
+            config = load_config(args.config, overrides=_overrides(args))
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     try:
         resume = True if args.resume else None
         if args.no_progress:
-            from psrec.train.loop import train
-
             summary = train(config, base_dir=args.data_dir, progress=_log_progress, resume=resume)
         else:
             summary = _train_with_bar(config, args.data_dir, resume)

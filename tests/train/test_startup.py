@@ -3,6 +3,7 @@ read by the parent that started the process; the first step's time bounded by th
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 
 from psrec.train.loop import train
+from psrec.train.startup import paused_gc
 from tests.conftest import small_run_config
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -44,3 +46,24 @@ def test_the_summary_says_how_long_the_first_step_took_to_come(
     startup = summary["startup"]
     assert 0 < startup["seconds_from_train_call"] < returned - called
     assert startup["seconds_to_first_step"] > startup["seconds_from_train_call"]  # the process began earlier
+    assert gc.isenabled()  # start-up paused the collector only while it imported and built
+
+
+def test_paused_gc_restores_the_collector_as_it_was() -> None:
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer block turns it back on
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("a failed start-up")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()
