@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +53,40 @@ def ray_start_arguments(config: RunConfig) -> dict[str, Any]:
         "num_cpus": max(os.cpu_count() or 1, math.ceil(required_cpus(config))),
         "actors": ps.num_trainers + (0 if ps.strategy == "collective" else ps.num_shards),
     }
+
+
+def start_ray_importing(config: RunConfig, module: str) -> bool:
+    """Start (or join) the Ray cluster of `config`'s run while another thread imports `module`;
+    True when this call started Ray (its caller then shuts it down), False when it was up already.
+
+    `ray.init` runs on the main thread (it installs signal handlers there) and mostly waits for the
+    processes it starts (GCS, raylet, agents); the driver's own imports (torch alone about 1 s) run
+    in the meantime instead of before (docs/benchmarks.md, "Start-up"). An import error is raised
+    here, after Ray's start.
+    """
+    import ray
+
+    if ray.is_initialized():
+        importlib.import_module(module)
+        return False
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as error:  # noqa: BLE001 - raised again on the main thread
+            failed.append(error)
+
+    loader = threading.Thread(target=load, name=f"import {module}", daemon=True)
+    loader.start()
+    try:
+        start_ray(config.ps.address, **ray_start_arguments(config))
+    finally:
+        loader.join()
+    if failed:
+        ray.shutdown()
+        raise failed[0]
+    return True
 
 
 def start_ray(
