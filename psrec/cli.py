@@ -11,26 +11,40 @@ import logging
 import os
 import signal
 import sys
+from importlib import import_module
 from types import FrameType
+from typing import Any
 
 from psrec.allocator import tune_malloc
 
+# The module that registers each subcommand (its `register(subparsers)`), in `psrec --help` order.
+# A command line names one, and only that module is imported: they import what their commands
+# need at the top (psrec bench: torch), which the others should not pay for at start-up.
+COMMAND_MODULES = {
+    "train": "psrec.train.cli",
+    "data": "psrec.data.cli",
+    "plan": "psrec.parallel.cli",
+    "bench": "psrec.bench.cli",
+    "export": "psrec.serve.cli",
+    "serve": "psrec.serve.cli",
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    from psrec.bench import cli as bench_commands
-    from psrec.data import cli as data_commands
-    from psrec.parallel import cli as parallel_commands
-    from psrec.serve import cli as serve_commands
-    from psrec.train import cli as train_commands
 
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every subcommand, or with `command` (a subcommand's name) of that one only."""
     parser = argparse.ArgumentParser(prog="psrec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    train_commands.register(subparsers)
-    data_commands.register(subparsers)
-    parallel_commands.register(subparsers)
-    bench_commands.register(subparsers)
-    serve_commands.register(subparsers)
+    known = command in COMMAND_MODULES or command == "scale"
+    for module in dict.fromkeys(COMMAND_MODULES.values()):
+        if not known or module == COMMAND_MODULES.get(command or ""):
+            import_module(module).register(subparsers)
+    if not known or command == "scale":
+        _register_scale(subparsers)
+    return parser
+
+
+def _register_scale(subparsers: Any) -> None:
     scale = subparsers.add_parser(
         "scale",
         help="change the shard and / or trainer count of a job while it trains",
@@ -48,7 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scale.add_argument("--wait", type=float, default=0.0, metavar="SECONDS", help="wait for the result")
     scale.set_defaults(func=_scale)
-    return parser
 
 
 def _scale(args: argparse.Namespace) -> int:
@@ -81,13 +94,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     tune_malloc()  # freed buffers stay mapped for the next step (psrec.allocator)
     signal.signal(signal.SIGTERM, _terminate)  # shut the workers down as Ctrl-C does
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     return int(args.func(args) or 0)
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand a command line names (its first word that is no option), None when the
+    top-level help is asked for first."""
+    for word in argv:
+        if word in ("-h", "--help"):
+            return None
+        if not word.startswith("-"):
+            return word
+    return None
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:

@@ -56,6 +56,29 @@ def test_public_names_resolve_lazily() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_command_line_imports_only_its_own_command() -> None:
+    """`psrec train` builds its parser without the other commands' modules (psrec bench imports torch,
+    psrec data rich): the training run imports what it needs when it starts."""
+    code = (
+        "import sys; from psrec.cli import build_parser, _command; "
+        "argv = ['train', 'config.yaml', '--local']; args = build_parser(_command(argv)).parse_args(argv); "
+        "assert args.local and args.command == 'train'; "
+        "heavy = {'torch', 'rich', 'psrec.bench.cli', 'psrec.data.cli', 'psrec.serve.cli'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_full_parser_has_every_command() -> None:
+    from psrec.cli import COMMAND_MODULES, _command, build_parser
+
+    choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(choices) == {*COMMAND_MODULES, "scale"}
+    assert set(build_parser("scale")._subparsers._group_actions[0].choices) == {"scale"}  # type: ignore[union-attr]
+    assert _command(["-v", "train", "x.yaml"]) == "train"
+    assert _command(["--help", "train"]) is None and _command([]) is None
+
+
 def test_shard_actors_start_without_torch() -> None:
     """A shard process imports only the shard side (the actor module and what it reaches): no torch,
     whose import (and its compiler stack) would cost every shard start seconds."""

@@ -240,13 +240,17 @@ def format_profile(report: dict[str, Any]) -> str:
     lines = [
         "psrec per-step phases, ms (last round, timed steps; 'plan' = waiting for the next batch, read and "
         "planned meanwhile; 'plan_overlapped' = the planner's own time; 'other' = driver between phases and "
-        "between chunks; forward includes pooling)",
-        f"{'system':20s} " + " ".join(f"{p:>9s}" for p in PHASES) + f" {'pullB/smp':>9s} {'pushB/smp':>9s}",
+        "between chunks; forward includes pooling); 1st step s: median seconds from the train() call to the "
+        "end of the first step (Ray: the cluster is up before the call)",
+        f"{'system':20s} "
+        + " ".join(f"{p:>9s}" for p in PHASES)
+        + f" {'pullB/smp':>9s} {'pushB/smp':>9s} {'1st step s':>10s}",
     ]
     for row in rows:
         profile = row["profile"]
         cells = " ".join(f"{profile.get(p, 0.0):9.1f}" for p in PHASES)
         lines.append(
-            f"{row['system']:20s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f}"
+            f"{row['system']:20s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f} "
+            f"{_number(row.get('seconds_to_first_step'), '10.2f')}"
         )
     return "\n".join(lines)

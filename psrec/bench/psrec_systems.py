@@ -17,6 +17,8 @@ run in the timed steps.
 
 Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits on 2 cores) and
 measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled).
+`seconds_to_first_step` is the run's time from the `train()` call to the end of its first step
+(`summary.json`'s ``startup``): for Ray runs, the actors' start without the cluster's own.
 """
 
 from __future__ import annotations
@@ -359,5 +361,7 @@ def run_psrec(
         bytes_pushed_per_sample=summary["bytes_pushed_per_sample"],
         num_trainers=layout.num_trainers,
         num_shards=layout.num_shards,
+        # from the train() call; a Ray system's cluster is up before it (started above)
+        seconds_to_first_step=summary["startup"]["seconds_from_train_call"],
     )
     return result

@@ -1,8 +1,8 @@
 """Validated model configuration, and the one builder that turns a config into its model.
 
 A model config is one of the pydantic classes below, told apart by its ``name`` (a discriminated
-union, `ModelConfig`); unknown keys are rejected. Each config class declares the model class it builds
-(``module_class``) and which data-dependent sizes its constructor takes (``size_arguments``: number of
+union, `ModelConfig`); unknown keys are rejected. Each config names the model class it builds
+(`model_class`) and declares which data-dependent sizes its constructor takes (``size_arguments``: number of
 dense and sparse features, embedding dimension); every other field except ``name`` and ``dense_init``
 is the constructor's keyword argument of the same name. The sizes are not part of the model config:
 the trainer passes them to `build_model`, which maps the config to its model's constructor arguments::
@@ -13,20 +13,15 @@ the trainer passes them to `build_model`, which maps the config to its model's c
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
-from torch import nn
 
-from psrec.models.base import ClickThroughRateModel
-from psrec.models.bst import BehaviorSequenceTransformer
-from psrec.models.dcn import DCNv2
-from psrec.models.deepfm import DeepFM
-from psrec.models.dlrm import DLRM
-from psrec.models.fm import FactorizationMachineModel
-from psrec.models.lr import LogisticRegression
-from psrec.models.sasrec import SASRec
-from psrec.models.wide_deep import WideAndDeep
+if TYPE_CHECKING:
+    from torch import nn
+
+    from psrec.models.base import ClickThroughRateModel
+    from psrec.models.sasrec import SASRec
 
 Activation = Literal["relu", "leaky_relu", "gelu", "tanh", "sigmoid", "prelu"]
 Dropout = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -43,26 +38,22 @@ class _ModelConfigBase(BaseModel):
     # Xavier-normal weights with zero biases, as FuxiCTR/BARS initialise theirs.
     dense_init: Literal["torch", "xavier_normal"] = "torch"
 
-    # The model class this config builds, and the sizes (passed by `build_model`) its constructor takes.
-    module_class: ClassVar[type[ClickThroughRateModel] | type[SASRec]]
+    # The sizes (passed by `build_model`) the constructor of its model (`model_class`) takes.
     size_arguments: ClassVar[tuple[SizeArgument, ...]] = ALL_SIZES
 
 
 class LRConfig(_ModelConfigBase):
     name: Literal["lr"] = "lr"
-    module_class = LogisticRegression
     size_arguments = ("num_dense",)
 
 
 class FMConfig(_ModelConfigBase):
     name: Literal["fm"] = "fm"
-    module_class = FactorizationMachineModel
     size_arguments = ("num_dense", "embedding_dim")
 
 
 class WideDeepConfig(_ModelConfigBase):
     name: Literal["wide_deep"] = "wide_deep"
-    module_class = WideAndDeep
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = False
@@ -71,7 +62,6 @@ class WideDeepConfig(_ModelConfigBase):
 
 class DeepFMConfig(_ModelConfigBase):
     name: Literal["deepfm"] = "deepfm"
-    module_class = DeepFM
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = True
@@ -80,7 +70,6 @@ class DeepFMConfig(_ModelConfigBase):
 
 class DCNv2Config(_ModelConfigBase):
     name: Literal["dcn_v2"] = "dcn_v2"
-    module_class = DCNv2
     structure: Literal["crossnet_only", "stacked", "parallel", "stacked_parallel"] = "parallel"
     num_cross_layers: PositiveInt = 4
     low_rank: PositiveInt | None = None
@@ -92,7 +81,6 @@ class DCNv2Config(_ModelConfigBase):
 
 class DLRMConfig(_ModelConfigBase):
     name: Literal["dlrm"] = "dlrm"
-    module_class = DLRM
     bottom_hidden_sizes: list[PositiveInt] = [64]  # the last bottom layer (== embedding_dim) is added
     top_hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
@@ -103,7 +91,6 @@ class DLRMConfig(_ModelConfigBase):
 
 class BSTConfig(_ModelConfigBase):
     name: Literal["bst"] = "bst"
-    module_class = BehaviorSequenceTransformer
     target_feature_index: Annotated[int, Field(ge=0)]  # which pooled feature is the target item
     sequence_name: str = "history"
     max_length: PositiveInt = 50
@@ -115,7 +102,6 @@ class BSTConfig(_ModelConfigBase):
 
 class SASRecConfig(_ModelConfigBase):
     name: Literal["sasrec"] = "sasrec"
-    module_class = SASRec
     size_arguments = ("embedding_dim",)
     max_length: PositiveInt = 200
     num_blocks: PositiveInt = 2
@@ -139,9 +125,34 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
     return _MODEL_CONFIG_ADAPTER.validate_python(data)
 
 
+def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRec]:
+    """The model class `config` builds. The models are imported here, not with this module: a run's
+    config is validated before torch is imported (`psrec train` starts its Ray cluster meanwhile)."""
+    from psrec.models.bst import BehaviorSequenceTransformer
+    from psrec.models.dcn import DCNv2
+    from psrec.models.deepfm import DeepFM
+    from psrec.models.dlrm import DLRM
+    from psrec.models.fm import FactorizationMachineModel
+    from psrec.models.lr import LogisticRegression
+    from psrec.models.sasrec import SASRec
+    from psrec.models.wide_deep import WideAndDeep
+
+    classes: dict[str, type[ClickThroughRateModel] | type[SASRec]] = {
+        "lr": LogisticRegression,
+        "fm": FactorizationMachineModel,
+        "wide_deep": WideAndDeep,
+        "deepfm": DeepFM,
+        "dcn_v2": DCNv2,
+        "dlrm": DLRM,
+        "bst": BehaviorSequenceTransformer,
+        "sasrec": SASRec,
+    }
+    return classes[config.name]
+
+
 def uses_linear_terms(config: ModelConfig) -> bool:
     """Whether the model `config` describes needs ``ModelInput.linear`` (without building it)."""
-    return config.module_class.uses_linear_terms
+    return model_class(config).uses_linear_terms
 
 
 def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:
@@ -159,7 +170,9 @@ def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embeddi
     if not isinstance(config, _ModelConfigBase):
         raise TypeError(f"build_model: not a model config: {type(config).__name__}")
     sizes: dict[str, int] = {"num_dense": num_dense, "num_sparse": num_sparse, "embedding_dim": embedding_dim}
-    model = config.module_class(**constructor_arguments(config, sizes))
+    from torch import nn
+
+    model = model_class(config)(**constructor_arguments(config, sizes))
     if config.dense_init == "xavier_normal":
         for module in model.modules():
             if isinstance(module, nn.Linear):
@@ -170,7 +183,7 @@ def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embeddi
 
 
 def constructor_arguments(config: ModelConfig, sizes: dict[str, int]) -> dict[str, Any]:
-    """The keyword arguments of ``config.module_class``: its sizes, then every non-build config field."""
+    """The keyword arguments of `model_class(config)`: its sizes, then every non-build config field."""
     arguments: dict[str, Any] = {name: sizes[name] for name in config.size_arguments}
     arguments.update(config.model_dump(exclude=set(BUILD_FIELDS)))
     return arguments

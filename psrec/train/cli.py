@@ -59,20 +59,28 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psrec.checkpoint import CheckpointError
-    from psrec.config import ConfigError, load_config
-    from psrec.data.errors import BadRowError
+    from psrec.train.startup import paused_gc
 
+    with paused_gc():  # the start-up's imports (see paused_gc); the config's need no torch
+        from psrec.checkpoint import CheckpointError
+        from psrec.config import ConfigError, load_config
+        from psrec.data.errors import BadRowError
+
+        try:
+            config = load_config(args.config, overrides=_overrides(args))
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    started_ray = False
     try:
-        config = load_config(args.config, overrides=_overrides(args))
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
+        with paused_gc():
+            if config.ps.runtime == "ray":  # Ray starts while this process imports torch and the rest
+                from psrec.train.cluster import start_ray_importing
+
+                started_ray = start_ray_importing(config, "psrec.train.loop")
+            from psrec.train.loop import train
         resume = True if args.resume else None
         if args.no_progress:
-            from psrec.train.loop import train
-
             summary = train(config, base_dir=args.data_dir, progress=_log_progress, resume=resume)
         else:
             summary = _train_with_bar(config, args.data_dir, resume)
@@ -92,6 +100,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: workers shut down", file=sys.stderr)
         return 130
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
     hidden = ("history", "tables", "phase_seconds", "checkpoints")
     shown = {k: v for k, v in summary.items() if k not in hidden}
     print(json.dumps(shown, indent=2, default=float))

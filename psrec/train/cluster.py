@@ -15,11 +15,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,16 +45,73 @@ def required_cpus(config: RunConfig) -> float:
     return ps.num_trainers * ps.trainer_resources.num_cpus + shards * ps.shard_resources.num_cpus
 
 
+def ray_start_arguments(config: RunConfig) -> dict[str, Any]:
+    """`start_ray`'s keyword arguments for `config`'s run (its address aside). The embedded cluster
+    offers at least the CPUs the config asks for: logical CPUs are only scheduling tokens, and every
+    process's thread count is set explicitly."""
+    ps = config.ps
+    return {
+        "num_cpus": max(os.cpu_count() or 1, math.ceil(required_cpus(config))),
+        "actors": ps.num_trainers + (0 if ps.strategy == "collective" else ps.num_shards),
+    }
+
+
+def start_ray_importing(config: RunConfig, module: str) -> bool:
+    """Start (or join) the Ray cluster of `config`'s run while another thread imports `module`;
+    True when this call started Ray (its caller then shuts it down), False when it was up already.
+
+    `ray.init` runs on the main thread (it installs signal handlers there) and mostly waits for the
+    processes it starts (GCS, raylet, agents); the driver's own imports (torch alone about 1 s) run
+    in the meantime instead of before (docs/benchmarks.md, "Start-up"). An import error is raised
+    here, after Ray's start.
+    """
+    import ray
+
+    if ray.is_initialized():
+        importlib.import_module(module)
+        return False
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            importlib.import_module(module)
+        except BaseException as error:  # noqa: BLE001 - raised again on the main thread
+            failed.append(error)
+
+    loader = threading.Thread(target=load, name=f"import {module}", daemon=True)
+    loader.start()
+    try:
+        start_ray(config.ps.address, **ray_start_arguments(config))
+    finally:
+        loader.join()
+    if failed:
+        ray.shutdown()
+        raise failed[0]
+    return True
+
+
 def start_ray(
-    address: str | None, *, num_cpus: int | None = None, log_to_driver: bool = True, omp_passive: bool = True
+    address: str | None,
+    *,
+    num_cpus: int | None = None,
+    log_to_driver: bool = True,
+    omp_passive: bool = True,
+    actors: int | None = None,
 ) -> None:
     """Start an embedded loopback cluster (address None) or join `address`; clear error if unreachable
     or, for `address`, if no authentication token is found. omp_passive: the workers' OpenMP threads
     sleep when idle (OMP_WAIT_POLICY=PASSIVE unless this process sets it); False leaves OpenMP's own
     default (the benchmarks compare both).
 
+    actors: the number of actors the run starts at once. The embedded cluster then starts them all
+    together, and nothing else: by default Ray starts one idle worker process per CPU for the first
+    driver, which actors do not use (each waits for a process of its own), and at most one worker
+    process per CPU at a time, so that on 2 CPUs the trainer's process started only once a shard's
+    was up (docs/benchmarks.md, "Start-up"). Variables already set in the environment win.
+
     A process already connected to Ray keeps its cluster: address None uses it, and an `address`
-    naming another cluster is a ConfigError (a process joins one Ray cluster at a time)."""
+    naming another cluster is a ConfigError (a process joins one Ray cluster at a time).
+    """
     import ray
 
     if ray.is_initialized():
@@ -81,6 +140,9 @@ def start_ray(
         if address is None:
             # Ray starts workers at nice 15; on a shared machine the trainer then starves.
             os.environ.setdefault("RAY_worker_niceness", "0")
+            if actors is not None:
+                for name, value in _actor_start_settings(actors, num_cpus).items():
+                    os.environ.setdefault(name, value)
             with _loopback_node():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
         elif _loopback_address(address):
@@ -114,6 +176,14 @@ def same_cluster(address: str, gcs_address: str) -> bool:
             return host, port
 
     return endpoint(address) == endpoint(gcs_address)
+
+
+def _actor_start_settings(actors: int, num_cpus: int | None) -> dict[str, str]:
+    """The raylet's settings that start `actors` worker processes at once and no idle ones."""
+    return {
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_worker_maximum_startup_concurrency": str(max(actors, num_cpus or 1)),
+    }
 
 
 def _wait_policy(passive: bool) -> dict[str, str]:

@@ -51,7 +51,7 @@ from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.scaling import ScaleController
-from psrec.train.startup import startup_report
+from psrec.train.startup import paused_gc, startup_report
 from psrec.train.worker import ChunkResult
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,8 @@ def train(
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
-        runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
+        with paused_gc():  # trainers import torch._dynamo with their optimizer (see paused_gc)
+            runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
     try:  # the run's set-up succeeded: only now is the run directory touched
         apply_run_dir_plan(plan)
         write_text(
@@ -174,7 +175,8 @@ def train(
     # TensorBoard writes local files: for a run_dir in a store they go to a local temporary
     # directory, uploaded to RUN_DIR/tensorboard when the run ends.
     local_events = None if isinstance(run_dir, Path) else Path(tempfile.mkdtemp(prefix="psrec-events-"))
-    writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
+    with paused_gc():  # imports TensorBoard
+        writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
     try:
         driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
         summary = driver.run(resume=plan.resume)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,7 +29,7 @@ from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement, trainer_failover, trainer_scaling
-from psrec.train.cluster import required_cpus, settle_lost_actors, start_ray
+from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray
 from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import ChunkResult, TrainerWorker
 
@@ -313,9 +311,7 @@ class RayRuntime(RuntimeBase):
                 config, config.ps.num_trainers
             )  # a plan that does not fit fails here
         self._owns_ray = not ray.is_initialized()
-        # The embedded cluster offers at least the CPUs the config asks for: logical CPUs are only
-        # scheduling tokens, and every process's thread count is set explicitly.
-        start_ray(config.ps.address, num_cpus=max(os.cpu_count() or 1, math.ceil(required_cpus(config))))
+        start_ray(config.ps.address, **ray_start_arguments(config))  # unless it runs already
         available = ray.cluster_resources().get("CPU", 0.0)
         if required_cpus(config) > available:
             raise ConfigError(

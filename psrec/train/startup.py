@@ -1,10 +1,14 @@
 """Start-up time of a run: from the process's start, and from the `train()` call, to the end of its
-first training step (in `summary.json` under ``startup``)."""
+first training step (in `summary.json` under ``startup``), and `paused_gc` for the start-up's imports.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import time
+from collections.abc import Iterator
 
 
 def process_start_time() -> float | None:
@@ -33,3 +37,22 @@ def startup_report(first_step_at: float | None, *, train_called_at: float) -> di
         "seconds_to_first_step": None if started is None else first_step_at - started,
         "seconds_from_train_call": first_step_at - train_called_at,
     }
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, as it was after it.
+
+    Start-up imports torch, numba and pyarrow and builds the model: hundreds of thousands of
+    long-lived objects, over which every collection of the oldest generation walks again; importing
+    torch and `torch._dynamo` (which every torch optimizer loads) took 2.1-2.2 s with the collector
+    off against 2.5-2.7 s with it on (docs/benchmarks.md, "Start-up"). Nested blocks leave it to the
+    outermost one to turn it back on.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -34,6 +34,7 @@ from psrec.threads import set_thread_counts
 from psrec.train import builders
 from psrec.train.lookup import BatchLookup
 from psrec.train.runner import Runner
+from psrec.train.startup import paused_gc
 from psrec.train.step import StepRunner
 
 logger = logging.getLogger(__name__)
@@ -115,8 +116,9 @@ class TrainerWorker:
         self.sources = {
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
-        self.model = builders.maybe_compile(builders.build_model_for(self.config), self.config)
-        self.optimizer = builders.build_dense_optimizer(self.config, self.model)
+        with paused_gc():  # a torch optimizer imports torch._dynamo (see paused_gc)
+            self.model = builders.maybe_compile(builders.build_model_for(self.config), self.config)
+            self.optimizer = builders.build_dense_optimizer(self.config, self.model)
         # strategy "collective": this trainer holds its own partition of every table; the client
         # over it needs the process group, so it is built in `init_process_group`.
         self.collective = self.config.ps.strategy == "collective"

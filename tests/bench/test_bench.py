@@ -222,6 +222,8 @@ def test_row_precision_systems_store_every_table_in_that_precision(tmp_path: Pat
     report = run_bench(workload, ["psrec-fp16rows"], rounds=1, isolate=False)
     (row,) = report["rows"]
     assert row["status"] == "ok" and 0.0 <= row["auc"] <= 1.0
+    assert 0 < row["seconds_to_first_step"] < 60  # the run's start-up, from its summary
+    assert "1st step s" in commands.format_profile(report)
 
 
 @pytest.mark.ray

@@ -1,4 +1,6 @@
 import inspect
+import subprocess
+import sys
 import typing
 
 import pytest
@@ -24,6 +26,7 @@ from psrec.models.config import (
     DLRMConfig,
     ModelConfig,
     constructor_arguments,
+    model_class,
     uses_linear_terms,
 )
 
@@ -54,7 +57,7 @@ CONFIG_CLASSES = typing.get_args(typing.get_args(ModelConfig)[0])
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)
 def test_config_fields_are_exactly_the_constructor_arguments(config_class: typing.Any) -> None:
-    parameters = inspect.signature(config_class.module_class).parameters
+    parameters = inspect.signature(model_class(config_class.model_construct())).parameters
     assert set(config_class.size_arguments) <= set(ALL_SIZES)
     fields = set(config_class.model_fields) - BUILD_FIELDS
     assert set(parameters) == set(config_class.size_arguments) | fields
@@ -170,3 +173,13 @@ def test_build_model_checks_sizes() -> None:
         build_model(
             parse_model_config({"name": "sasrec", "num_heads": 3}), num_dense=0, num_sparse=0, embedding_dim=8
         )
+
+
+def test_model_configs_validate_without_torch() -> None:
+    """`psrec train` validates the run's config, then imports torch while its Ray cluster starts."""
+    code = (
+        "import sys; from psrec.config import parse_config; from psrec.models.config import uses_linear_terms; "
+        "config = parse_config({'data': {'synthetic': {}}, 'model': {'name': 'deepfm'}}); "
+        "assert 'torch' not in sys.modules; assert uses_linear_terms(config.model) and 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

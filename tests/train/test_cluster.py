@@ -191,3 +191,22 @@ def test_a_process_connected_to_one_cluster_refuses_an_address_of_another() -> N
     start_ray(connected)
     start_ray(None)
     assert ray.is_initialized() and ray.get_runtime_context().gcs_address == connected
+
+
+def test_the_embedded_cluster_starts_every_actor_at_once_and_no_idle_worker() -> None:
+    settings = cluster._actor_start_settings(3, num_cpus=2)
+    assert settings == {
+        "RAY_prestart_worker_first_driver": "0",
+        "RAY_worker_maximum_startup_concurrency": "3",
+    }
+    assert cluster._actor_start_settings(1, num_cpus=4)["RAY_worker_maximum_startup_concurrency"] == "4"
+
+
+def test_ray_start_arguments_count_the_runs_actors() -> None:
+    from psrec.config import load_config
+
+    quickstart = Path(__file__).parents[2] / "examples" / "quickstart.yaml"
+    arguments = cluster.ray_start_arguments(load_config(quickstart))  # 1 trainer + 2 shards
+    assert arguments["actors"] == 3 and arguments["num_cpus"] >= 2
+    collective = load_config(quickstart, overrides={"ps.strategy": "collective"})
+    assert cluster.ray_start_arguments(collective)["actors"] == 1  # no shard actors

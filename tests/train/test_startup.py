@@ -3,6 +3,8 @@ read by the parent that started the process; the first step's time bounded by th
 
 from __future__ import annotations
 
+import gc
+import json
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from psrec.train.loop import train
+from psrec.train.startup import paused_gc
 from tests.conftest import small_run_config
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
@@ -44,3 +47,52 @@ def test_the_summary_says_how_long_the_first_step_took_to_come(
     startup = summary["startup"]
     assert 0 < startup["seconds_from_train_call"] < returned - called
     assert startup["seconds_to_first_step"] > startup["seconds_from_train_call"]  # the process began earlier
+    assert gc.isenabled()  # start-up paused the collector only while it imported and built
+
+
+def test_paused_gc_restores_the_collector_as_it_was() -> None:
+    assert gc.isenabled()
+    with paused_gc():
+        assert not gc.isenabled()
+        with paused_gc():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer block turns it back on
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        raise RuntimeError("a failed start-up")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # off before: stays off
+    finally:
+        gc.enable()
+
+
+@pytest.mark.ray
+def test_psrec_train_starts_its_cluster_while_it_imports(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """`psrec train` on the embedded cluster (in a fresh process): Ray starts while the driver imports
+    torch (`start_ray_importing`), the run trains, and the driver shuts the cluster it started down."""
+    config = small_run_config(
+        synthetic_sources,
+        tmp_path / "run",
+        **{"ps.runtime": "ray", "training.max_steps": 2, "checkpoint.enabled": False},
+    )
+    path = tmp_path / "run.json"  # JSON is YAML
+    path.write_text(json.dumps(config.model_dump(mode="json", by_alias=True)))
+    script = (
+        "import sys, ray; from psrec.cli import main; code = main(sys.argv[1:]); "
+        "assert not ray.is_initialized(), 'the cluster was left running'; sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "train", str(path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["startup"]["seconds_to_first_step"] > 0
