@@ -9,6 +9,7 @@ restored run replays the same steps, so the final model must be that run's, row 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -158,10 +159,18 @@ def test_a_lost_node_is_replaced_from_the_object_store_with_the_undisturbed_mode
             if node_index[shard["node_id"]] != 0  # not the head: it holds the cluster's GCS
         )
         killed: list[float] = []
+        # The node's actor processes: a worker may outlive its node's process group for a while
+        # (seen once: the rest of the epoch ran on it), so they are killed with it and waited for.
+        victim_pids = [
+            int(actor["pid"])
+            for actor in [*first_placement["shards"], *first_placement.get("trainers", [])]
+            if node_index[actor["node_id"]] == victim
+        ]
 
         def kill_node(report: dict[str, Any]) -> None:
             if report["step"] >= 35 and not killed:  # after the step-20 checkpoint
                 cluster.kill_node(victim)
+                _kill_and_wait(victim_pids)
                 killed.append(time.time())
 
         try:
@@ -228,3 +237,22 @@ def _names(directory: StoragePath) -> list[str]:
         return [entry.name for entry in directory.iterdir()]
     except (FileNotFoundError, OSError, StorageError):
         return []
+
+
+def _kill_and_wait(pids: list[int], timeout_s: float = 30.0) -> None:
+    """SIGKILL `pids` (those still running) and wait, bounded, until none is left."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return
+        time.sleep(0.05)
