@@ -48,6 +48,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -212,12 +213,22 @@ class _DlrmSteps:
         labels = self.torch.from_numpy((self.rng.random(self.samples) < 0.25).astype(np.float32))
         return ids, inverse.astype(np.int64), dense, labels
 
-    def step(self, table: EmbeddingTable, batch: tuple[np.ndarray, Any, Any, Any], *, step: int) -> None:
+    def step(
+        self,
+        table: EmbeddingTable,
+        batch: tuple[np.ndarray, Any, Any, Any],
+        *,
+        step: int,
+        pulled: Callable[[], Any] | None = None,
+    ) -> None:
+        """One training step; `pulled` runs once the rows are pulled (the trainer's prefetch point)."""
         from psrec.models.base import ModelInput
         from psrec.train.pooling import gather_rows
 
         ids, inverse, dense, labels = batch
         rows = self.torch.from_numpy(table.pull(ids)).requires_grad_()  # (U, D)
+        if pulled is not None:
+            pulled()
         dtype = self.torch.bfloat16 if self.bf16 else self.torch.float32
         pooled = gather_rows(rows, inverse, self.features, dtype)  # (B, F, D)
         with self.torch.autocast("cpu", dtype=self.torch.bfloat16, enabled=self.bf16):
@@ -227,6 +238,11 @@ class _DlrmSteps:
         self.optimizer.step()
         assert rows.grad is not None
         table.push(ids, rows.grad.numpy(), step=step)
+
+
+def _ids(batch: np.ndarray | tuple[np.ndarray, Any, Any, Any]) -> np.ndarray:
+    """A batch's distinct ids (a DLRM batch carries them first)."""
+    return batch[0] if isinstance(batch, tuple) else batch
 
 
 def run_system(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,35 +287,30 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
     step = 1
 
     prefetch = args.system == "prefetch"
+    trainer = _DlrmSteps(args, zipf) if args.model == "dlrm" else None
 
     def round_of_steps() -> int:
+        """One timed round; returns the ids (pull + push alone) or samples (DLRM) it processed."""
         nonlocal step
-        batches = [zipf.batch(args.batch) for _ in range(args.steps + 1)]  # drawn before timing
+        draw = trainer.batch if trainer is not None else lambda: zipf.batch(args.batch)
+        batches = [draw() for _ in range(args.steps + 1)]  # drawn before timing
         wall, cpu = time.perf_counter(), time.process_time()
         for index in range(args.steps):
-            batch = batches[index]
             step += 1
-            table.pull(batch)
-            if prefetch:  # the next batch's ids are known (the planner has routed it)
-                tiered.prefetch(batches[index + 1])
-            table.push(batch, grad[: batch.shape[0]], step=step)
+            # the next batch's ids are known once this step's rows are pulled (the planner has routed it)
+            pulled = partial(tiered.prefetch, _ids(batches[index + 1])) if prefetch else None
+            if trainer is not None:
+                trainer.step(table, batches[index], step=step, pulled=pulled)
+            else:
+                batch = batches[index]
+                table.pull(batch)
+                if pulled is not None:
+                    pulled()
+                table.push(batch, grad[: batch.shape[0]], step=step)
         rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
+        if trainer is not None:
+            return args.batch_samples * args.steps
         return sum(batch.shape[0] for batch in batches[: args.steps])
-
-    if args.model == "dlrm":
-        trainer = _DlrmSteps(args, zipf)
-
-        def round_of_steps() -> int:
-            nonlocal step
-            batches = [trainer.batch() for _ in range(args.steps + 1)]  # drawn before timing
-            wall, cpu = time.perf_counter(), time.process_time()
-            for index in range(args.steps):
-                step += 1
-                trainer.step(table, batches[index], step=step)
-                if prefetch:
-                    tiered.prefetch(batches[index + 1][0])
-            rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
-            return args.batch_samples * args.steps  # samples, not ids
 
     rounds: list[tuple[float, float]] = []
     for _ in range(args.warmup_rounds):  # the memory tier fills with the popular rows
@@ -317,7 +328,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         "ids_per_cpu_second": statistics.median(ids_per_round / cpu for _, cpu in rounds),
         "round_seconds": [wall for wall, _ in rounds],
         "unique_ids_per_step": (
-            ids_per_round / args.steps if args.model == "none" else statistics.median(trainer.unique_ids)
+            ids_per_round / args.steps if trainer is None else statistics.median(trainer.unique_ids)
         ),
         "model": args.model,
         "table_bytes": table.memory_bytes()["total"],
