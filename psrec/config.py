@@ -77,7 +77,7 @@ class StorageConfig(_Strict):
     )
     disk_dir: str = Field(min_length=1, description="a local directory for the cold rows (SSD)")
     prefetch_min_rows: int = Field(
-        256,
+        256,  # psrec.embedding.specs.PREFETCH_MIN_ROWS (config imports no table code)
         ge=0,
         description="read the cold rows of each next batch ahead, on a background thread, while the table's "
         "last training pull promoted at least this many rows (for fewer, issuing the read costs more than "

@@ -208,6 +208,11 @@ class EvictionSpec:
         return cls(**values)
 
 
+# A coming pull's cold rows are read ahead while the table's last training pull promoted this many:
+# for fewer, issuing the read costs more than the read it moves (docs/benchmarks.md, "Disk tier").
+PREFETCH_MIN_ROWS = 256
+
+
 @dataclass(frozen=True)
 class StorageSpec:
     """A disk tier for a table (``psrec.embedding.tiered_table``): at most ``memory_rows`` rows in
@@ -215,7 +220,7 @@ class StorageSpec:
 
     memory_rows: int
     disk_dir: str
-    prefetch_min_rows: int = 256  # see `TieredTable.prefetch_min_rows`
+    prefetch_min_rows: int = PREFETCH_MIN_ROWS  # see `TieredTable.prefetch_min_rows`
 
     def __post_init__(self) -> None:
         _require(

@@ -39,14 +39,10 @@ from psrec.embedding.disk_tier import DiskTier, RecordLayout
 from psrec.embedding.eviction import rows_to_evict
 from psrec.embedding.hash_index import ids_digest
 from psrec.embedding.slab_log import segment_rows_for
-from psrec.embedding.specs import TableSpec
+from psrec.embedding.specs import PREFETCH_MIN_ROWS, TableSpec
 from psrec.embedding.state import TableDelta, TableState
 from psrec.embedding.table import EmbeddingTable, spec_options
 from psrec.embedding.tier_policy import AGING_HALF_LIFE_STEPS, POLICIES, VICTIM_SAMPLE, coldest, sample_rows
-
-# A coming pull's cold rows are read ahead while the table's last training pull promoted this many:
-# for fewer, issuing the read costs more than the read it moves (docs/benchmarks.md, "Disk tier").
-PREFETCH_MIN_ROWS = 256
 
 DEMOTION_SLACK = 0.05
 OPTIMIZER_PREFIX = "optimizer_state/"
