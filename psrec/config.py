@@ -160,6 +160,11 @@ class TrainingConfig(_Strict):
         description="bf16: autocast the dense model (CPUs with AVX-512 BF16/AMX); embedding rows stay fp32",
     )
     grad_clip_norm: float | None = Field(None, gt=0)
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "cpu",
+        description="where the dense model trains: cuda puts it, its optimizer and the model input on the "
+        "trainer's GPU (rows stay on the shards, docs/gpu.md); auto: cuda when the trainer sees one",
+    )
     # torch.compile (inductor) the dense model's loss and predict; the first steps take seconds longer
     compile: bool = False
     shuffle_buffer: int = Field(0, ge=0)
@@ -422,6 +427,15 @@ class RunConfig(_Strict):
                 f"training.embedding_l2 is applied as the tables' weight decay, but tables {ftrl} use "
                 "ftrl, which regularises through optimizer.ftrl_l2: set that instead"
             )
+        if (
+            self.training.device == "cuda"
+            and self.ps.runtime == "ray"
+            and self.ps.trainer_resources.num_gpus == 0
+        ):
+            raise ValueError(
+                "training.device 'cuda' with ps.runtime 'ray' needs ps.trainer_resources.num_gpus > 0 "
+                "(Ray hides the GPUs from actors that ask for none): set it to 1 (one GPU per trainer)"
+            )
         if self.ps.strategy == "collective" and self.ps.sharding == "auto":
             unsized = [t for t in tables if self.table_config(t).expected_rows is None]
             if unsized:
@@ -469,6 +483,8 @@ class RunConfig(_Strict):
             )
         if self.training.dense_precision != "fp32":
             raise ValueError("ps.pipeline supports training.dense_precision fp32 only")
+        if self.training.device == "cuda":
+            raise ValueError("ps.pipeline trains on the CPU: set training.device to cpu (or auto)")
 
     def fingerprint_dict(self) -> dict[str, Any]:
         """The parts of the config a checkpoint must agree with to be resumed (not steps or logging)."""
@@ -477,7 +493,15 @@ class RunConfig(_Strict):
             k: v
             for k, v in data["training"].items()
             if k
-            not in ("epochs", "max_steps", "log_every_steps", "eval_every_steps", "compile", "full_ranking")
+            not in (
+                "epochs",
+                "max_steps",
+                "log_every_steps",
+                "eval_every_steps",
+                "compile",
+                "full_ranking",
+                "device",  # a checkpoint holds CPU tensors: a run resumes on either device
+            )
         }
         data.pop("run_dir")
         data.pop("checkpoint")

@@ -15,6 +15,10 @@ every rank's return value, and checks every rank's exit code::
 A rank that raises, exits non-zero or outlives `timeout` fails the call with every rank's error; the
 helper kills only the processes it started. Each child uses one torch thread (forked OpenMP pools
 can hang, and the CPU cores are shared).
+
+``backend="cpu:gloo,cuda:nccl"`` (`rendezvous.backend_for("cuda")`) reduces GPU tensors with NCCL,
+rank r on GPU r; the calling process must not have used CUDA before (a forked child cannot), so GPU
+tests call it from a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ def _child(
     args: tuple[Any, ...],
     results: Any,
     timeout: float,
+    backend: str,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -55,8 +60,10 @@ def _child(
     if rank != 0:
         os.close(listen_fd)  # the store socket forked into every rank belongs to rank 0
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
         rendezvous.init_process_group(
-            "gloo",
+            backend,
             master_address=LOOPBACK,
             master_port=port,
             rank=rank,
@@ -78,7 +85,12 @@ def _child(
 
 
 def run_local_group(
-    fn: Callable[..., Any], *, world_size: int = 2, args: tuple[Any, ...] = (), timeout: float = 60.0
+    fn: Callable[..., Any],
+    *,
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    timeout: float = 60.0,
+    backend: str = "gloo",
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for each rank]``, run in W forked processes (module docstring)."""
     context = multiprocessing.get_context("fork")
@@ -88,7 +100,7 @@ def run_local_group(
     processes = [
         context.Process(
             target=_child,
-            args=(fn, rank, world_size, port, listener.fileno(), args, results, timeout),
+            args=(fn, rank, world_size, port, listener.fileno(), args, results, timeout, backend),
             daemon=True,
         )
         for rank in range(world_size)

@@ -13,6 +13,10 @@ single-machine group, the node's address on a cluster::
                        world_size=2, local_address="127.0.0.1",
                        listen_fd=listener.detach() if rank == 0 else None)
 
+Trainers whose dense model is on a GPU join with ``backend_for("cuda")``: GPU tensors are reduced by
+NCCL, CPU ones (the trainers' step agreement, the collective strategy's exchanges) still by gloo;
+NCCL's own sockets go on the same interface as gloo's.
+
 Used by the Ray trainers (`psrec.train.worker`) and the multi-process helper (`psrec.parallel.launch`).
 """
 
@@ -63,18 +67,26 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def _bind_gloo(local_address: str) -> None:
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
+def backend_for(device_type: str) -> str:
+    """The process group backend of trainers whose dense model is on `device_type` ("cpu", "cuda")."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def _bind(local_address: str, variable: str) -> None:
+    """Point gloo's (GLOO_SOCKET_IFNAME) or NCCL's (NCCL_SOCKET_IFNAME) sockets at the interface
+    holding `local_address`."""
+    if os.environ.get(variable):
         return  # the user's choice
     interface = interface_of(local_address)
     if interface is None:
         logger.warning(
-            "no network interface holds %s: gloo listens on the address the host name resolves to "
-            "(set GLOO_SOCKET_IFNAME to choose)",
+            "no network interface holds %s: the process group listens on the address the host name "
+            "resolves to (set %s to choose)",
             local_address,
+            variable,
         )
         return
-    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    os.environ[variable] = interface
 
 
 def init_process_group(
@@ -99,8 +111,10 @@ def init_process_group(
     if (rank == 0) != (listen_fd is not None):
         raise ValueError(f"rank {rank}: listen_fd is the store socket of rank 0, and only of rank 0")
     timeout = timeout or default_pg_timeout
-    if backend == "gloo":
-        _bind_gloo(local_address)
+    if "gloo" in backend:
+        _bind(local_address, "GLOO_SOCKET_IFNAME")
+    if "nccl" in backend:
+        _bind(local_address, "NCCL_SOCKET_IFNAME")
     store = dist.TCPStore(
         master_address,
         master_port,

@@ -205,6 +205,20 @@ def maybe_compile(model: torch.nn.Module, config: RunConfig) -> torch.nn.Module:
     return compile_dense_model(model) if config.training.compile else model
 
 
+def training_device(config: RunConfig) -> torch.device:
+    """The trainer's device for ``training.device`` (`psrec.train.device.resolve_device`), resolved in
+    the trainer's own process: a Ray trainer sees only the GPUs Ray gave it. The default, cpu, does
+    not touch CUDA at all. ConfigError for cuda where there is none."""
+    from psrec.train.device import resolve_device
+
+    if config.training.device == "cpu":
+        return torch.device("cpu")
+    available, pipeline = torch.cuda.is_available(), config.ps.pipeline is not None
+    if resolve_device(config.training.device, cuda_available=available, pipeline=pipeline) == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     spec = config.training.dense_optimizer
     params = [p for p in model.parameters() if p.requires_grad]

@@ -17,6 +17,13 @@ buffer. If every pooled feature then has one id per sample, the plan is *fused*:
 gather at sample-major positions (`psrec.train.pooling`), which the route step writes directly.
 Otherwise (bags: multi-valued features) the plan is *bagged*: one kernel pools every feature's bags
 from that buffer (`psrec.train.bag_pooling`, `LookupPlan.bag_offsets`).
+
+With a `device` (``training.device: cuda``, `psrec.train.device`) the rows are copied to it through
+pinned memory and the model input is built there with plain PyTorch ops instead of the numba kernels
+(which run on CPU buffers): the fused plan's gather is an ``index_select``, the bagged plan's pooling
+one ``embedding_bag`` over every feature's bags; the rows' gradients come back to pinned host memory
+for the push. The kernels' tests check that this path, run on the CPU, gives the same model input and
+row gradients (tests/train/test_device_lookup.py).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from psrec.ps.client import (
     linear_table_name,
 )
 from psrec.train.bag_pooling import pool_bags, transpose_bags
+from psrec.train.device import to_device, to_host
 from psrec.train.pooling import gather_rows
 
 
@@ -83,15 +91,18 @@ class RowLeaves:
     """The pulled rows as autograd leaves: one per table, or one per fused buffer (see `LookupPlan`).
 
     `table(name)` is the tensor the model input is built from; after backward `grad(name)` is that
-    table's row gradients (NumPy, a view into its leaf's gradient), None when it got none.
+    table's row gradients (NumPy, a view into its leaf's gradient), None when it got none. With a
+    `device`, the leaves are copies on it and the gradients are copied back to host memory, all
+    together, at the first `grad` call (`psrec.train.device`).
     """
 
-    def __init__(self, pulled: PulledRows, requires_grad: bool) -> None:
+    def __init__(self, pulled: PulledRows, requires_grad: bool, device: torch.device | None = None) -> None:
+        self.device = device
+        leaf: Callable[[np.ndarray], torch.Tensor] = (
+            torch.from_numpy if device is None else lambda rows: to_device(rows, device)
+        )
         # "rows" / "linear" -> the fused leaves; table -> its own leaf when not fused
-        self.fused = {
-            key: torch.from_numpy(buffer).requires_grad_(requires_grad)
-            for key, buffer in pulled.fused.items()
-        }
+        self.fused = {key: leaf(buffer).requires_grad_(requires_grad) for key, buffer in pulled.fused.items()}
         self.own: dict[str, torch.Tensor] = {}
         self.spans: dict[str, tuple[str, int, int]] = {}  # table -> (fused leaf, first row, end)
         # fused leaf -> (its gradient, that gradient's NumPy view)
@@ -102,7 +113,8 @@ class RowLeaves:
                 start, stop = pulled.routing.spans[name.removesuffix(LINEAR_SUFFIX)]
                 self.spans[name] = (key, start, stop)
             else:
-                self.own[name] = torch.from_numpy(rows).requires_grad_(requires_grad)
+                self.own[name] = leaf(rows).requires_grad_(requires_grad)
+        self._host_grads: dict[str, np.ndarray] | None = None  # with a device: every leaf's gradient
 
     def table(self, name: str) -> torch.Tensor:
         if name in self.own:
@@ -114,6 +126,8 @@ class RowLeaves:
         """After backward, `name`'s row gradients as a NumPy view; None when it got none. A fused
         leaf's gradient is wrapped once and sliced in NumPy (26 tables' torch slices cost about
         0.3 ms a step)."""
+        if self.device is not None:
+            return self._host_grad(name)
         if name in self.own:
             grad = self.own[name].grad
             return None if grad is None else grad.numpy()
@@ -125,6 +139,16 @@ class RowLeaves:
         if cached is None or cached[0] is not grad:
             cached = self._fused_grads[key] = (grad, grad.numpy())
         return cached[1][start:stop]
+
+    def _host_grad(self, name: str) -> np.ndarray | None:
+        if self._host_grads is None:  # after backward: every leaf's gradient in one round of copies
+            leaves = {**self.fused, **self.own}
+            self._host_grads = to_host({k: t.grad for k, t in leaves.items() if t.grad is not None})
+        if name in self.own:
+            return self._host_grads.get(name)
+        key, start, stop = self.spans[name]
+        grad = self._host_grads.get(key)
+        return None if grad is None else grad[start:stop]
 
 
 # (key, table, start of its ids within the batch's / the sequence's ids, count, mask)
@@ -140,10 +164,13 @@ class BatchLookup:
         *,
         feature_tables: dict[str, str],
         sequence_tables: dict[str, str] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.client = client
         self.feature_tables = dict(feature_tables)
         self.sequence_tables = dict(sequence_tables or {})
+        # None: CPU tensors over the pulled buffers, numba pooling; else the device path (module docstring)
+        self.device = device
 
     @property
     def bytes_pulled(self) -> int:
@@ -310,11 +337,16 @@ class BatchLookup:
         `pooled_dtype` bfloat16 gathers (pools) the rows of pooled features in bf16 when the rows are
         in one buffer (psrec.train.pooling, psrec.train.bag_pooling); the rows themselves and their
         gradients stay float32."""
-        leaves = RowLeaves(pulled, requires_grad)
+        device = self.device
+        leaves = RowLeaves(pulled, requires_grad, device)
+        # host arrays (indices, masks, dense features) as tensors where the model input is built
+        index: Callable[[np.ndarray], torch.Tensor] = (
+            torch.from_numpy if device is None else lambda array: to_device(array, device)
+        )
         b = plan.batch_size
         linear_terms = self.client.linear_terms
         linear = None
-        if plan.fused_index is not None:
+        if plan.fused_index is not None and device is None:
             # Pooling = one gather over the fused rows (psrec.train.pooling). That measured 2x faster
             # than one embedding_bag per feature (26 features, batch 2048, dim 16), and 3x faster
             # than a single fused embedding_bag, whose backward sorts all the indices.
@@ -322,7 +354,14 @@ class BatchLookup:
             pooled = gather_rows(leaves.fused["rows"], plan.fused_index, features, pooled_dtype)
             if linear_terms:
                 linear = gather_rows(leaves.fused["linear"], plan.fused_index, features).squeeze(-1)  # (B, F)
-        elif plan.bag_offsets is not None:
+        elif plan.fused_index is not None:  # the same gather in PyTorch, on the device
+            features = len(plan.pooled)
+            fused_index = index(plan.fused_index.astype(np.int64, copy=False))
+            # gathered in float32, then cast: the numba gather's bits, and a float32 backward
+            pooled = _gather(leaves.fused["rows"], fused_index, features).to(pooled_dtype)
+            if linear_terms:
+                linear = _gather(leaves.fused["linear"], fused_index, features).squeeze(-1)  # (B, F)
+        elif plan.bag_offsets is not None and device is None:
             assert plan.bag_index is not None
             # Every feature's bags pooled by one kernel from the one buffer (psrec.train.bag_pooling).
             bags = (plan.bag_index, plan.bag_offsets)
@@ -330,21 +369,29 @@ class BatchLookup:
             pooled = pool_bags(leaves.fused["rows"], *bags, dtype=pooled_dtype, transposed=transposed)
             if linear_terms:
                 linear = pool_bags(leaves.fused["linear"], *bags, transposed=transposed).squeeze(-1)
-        elif plan.pooled:
-            pooled = _pool(leaves, plan.pooled, b, lambda table: table)  # (B, F, D)
+        elif plan.bag_offsets is not None:  # every feature's bags by one embedding_bag, on the device
+            assert plan.bag_index is not None
+            flat_index, flat_offsets = _flat_bags(plan.bag_index, plan.bag_offsets)
+            flat = (index(flat_index), index(flat_offsets), plan.bag_offsets.shape[0])
+            pooled = _pool_flat(leaves.fused["rows"], *flat).to(pooled_dtype)  # float32 sums, cast once
             if linear_terms:
-                linear = _pool(leaves, plan.pooled, b, linear_table_name).squeeze(-1)  # (B, F)
+                linear = _pool_flat(leaves.fused["linear"], *flat).squeeze(-1)  # (B, F)
+        elif plan.pooled:
+            pooled = _pool(leaves, plan.pooled, b, lambda table: table, index)  # (B, F, D)
+            if linear_terms:
+                linear = _pool(leaves, plan.pooled, b, linear_table_name, index).squeeze(-1)  # (B, F)
         else:  # sequence-only models (SASRec)
             dim = next(iter(self.client.table_dims.values()), 1)
-            pooled = torch.zeros(b, 0, dim)
+            pooled = torch.zeros(b, 0, dim, device=device)
         sequences, masks = {}, {}
         for f in plan.sequences:
             assert f.mask is not None
-            sequences[f.name] = _sequence(leaves.table(f.table), f)
-            masks[f.name] = torch.from_numpy(f.mask)
-        return ModelInput(
-            torch.from_numpy(np.require(dense, requirements="W")), pooled, linear, sequences, masks
-        ), leaves
+            sequences[f.name] = _sequence(leaves.table(f.table), f, index)
+            masks[f.name] = index(f.mask)
+        dense_input = (
+            torch.from_numpy(np.require(dense, requirements="W")) if device is None else index(dense)
+        )
+        return ModelInput(dense_input, pooled, linear, sequences, masks), leaves
 
     # -- push ----------------------------------------------------------------------------------
     def submit_push(
@@ -362,29 +409,63 @@ class BatchLookup:
 
 
 def _pool(
-    leaves: RowLeaves, features: list[FeatureIndex], batch_size: int, table_of: Callable[[str], str]
+    leaves: RowLeaves,
+    features: list[FeatureIndex],
+    batch_size: int,
+    table_of: Callable[[str], str],
+    index: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
 ) -> torch.Tensor:
     """Sum-pool every feature from per-table rows: (B, F, D); a gather for single-valued features,
-    embedding_bag for the others."""
+    embedding_bag for the others. `index` turns the host indices into tensors beside the rows."""
     pooled = []
     for f in features:
         weight = leaves.table(table_of(f.table))
-        inverse = torch.from_numpy(f.inverse)
+        inverse = index(f.inverse)
         if f.single_valued:
             pooled.append(weight.index_select(0, inverse))
         else:
             assert f.offsets is not None
-            pooled.append(F.embedding_bag(inverse, weight, torch.from_numpy(f.offsets), mode="sum"))
+            pooled.append(F.embedding_bag(inverse, weight, index(f.offsets), mode="sum"))
     return torch.stack(pooled, dim=1)
 
 
-def _sequence(weight: torch.Tensor, feature: FeatureIndex) -> torch.Tensor:
+def _sequence(
+    weight: torch.Tensor,
+    feature: FeatureIndex,
+    to_tensor: Callable[[np.ndarray], torch.Tensor] = torch.from_numpy,
+) -> torch.Tensor:
     assert feature.mask is not None
     b, length = feature.mask.shape
     padded = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])  # padding -> zero row
     index = np.full(b * length, weight.shape[0], dtype=np.int64)
     index[feature.mask.reshape(-1)] = feature.inverse
-    return padded.index_select(0, torch.from_numpy(index)).view(b, length, weight.shape[1])  # (B, L, D)
+    return padded.index_select(0, to_tensor(index)).view(b, length, weight.shape[1])  # (B, L, D)
+
+
+def _gather(rows: torch.Tensor, index: torch.Tensor, features: int) -> torch.Tensor:
+    """(B, features, D) = rows[index] for sample-major `index` (`psrec.train.pooling.gather_rows`'s
+    values, by PyTorch's ``index_select``)."""
+    return rows.index_select(0, index).view(-1, features, rows.shape[1])
+
+
+def _flat_bags(index: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A bagged plan's bags (`LookupPlan.bag_index`, `bag_offsets` (F, B + 1)) as one ``embedding_bag``
+    input: (ids, bag starts (F * B,)), bag f * B + b being bag (f, b). Each feature's ids are one run
+    of `index`; the runs are put back to back in feature order."""
+    starts, ends = offsets[:, 0], offsets[:, -1]
+    flat = np.concatenate([index[start:end] for start, end in zip(starts, ends, strict=True)])
+    run_starts = np.zeros(len(starts), dtype=np.int64)
+    np.cumsum((ends - starts)[:-1], out=run_starts[1:])
+    bag_starts = offsets[:, :-1] - starts[:, None] + run_starts[:, None]  # (F, B)
+    return flat.astype(np.int64, copy=False), bag_starts.reshape(-1).astype(np.int64, copy=False)
+
+
+def _pool_flat(
+    rows: torch.Tensor, index: torch.Tensor, bag_starts: torch.Tensor, features: int
+) -> torch.Tensor:
+    """(B, F, D) sums of the bags `_flat_bags` laid out (`psrec.train.bag_pooling.pool_bags`'s values)."""
+    pooled = F.embedding_bag(index, rows, bag_starts, mode="sum")  # (F * B, D); an empty bag is zeros
+    return pooled.view(features, -1, rows.shape[1]).transpose(0, 1).contiguous()
 
 
 def batch_lookup(
@@ -397,6 +478,7 @@ def batch_lookup(
     linear_terms: bool = False,
     trainer_index: int = 0,
     wire_precision: str = "fp32",
+    device: torch.device | None = None,
 ) -> BatchLookup:
     """A `BatchLookup` over a new `EmbeddingClient` of `connections` (see both for the arguments)."""
     client = EmbeddingClient(
@@ -407,4 +489,4 @@ def batch_lookup(
         trainer_index=trainer_index,
         wire_precision=wire_precision,
     )
-    return BatchLookup(client, feature_tables=feature_tables, sequence_tables=sequence_tables)
+    return BatchLookup(client, feature_tables=feature_tables, sequence_tables=sequence_tables, device=device)

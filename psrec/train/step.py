@@ -36,6 +36,11 @@ Task parallelism (the step's stages overlap, none of it changes a result):
 
 Phase times are those of the trainer's critical path ("plan" = waiting for a routed batch, "pull" =
 submitting + waiting for rows); work moved off it is reported as ``plan_overlapped``.
+
+Device: the dense model lives on the lookup's device (`BatchLookup.device`, ``training.device``);
+labels follow the model input there, and scores come back to host memory. On a GPU the kernels run
+asynchronously, so "forward" and "backward" time the host's part; the copy of the row gradients in
+"push" waits for the GPU to finish the backward.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
 from psrec.parallel.allreduce import allreduce_mean_
 from psrec.ps.client import Pending, PulledRows, PullRequest
+from psrec.train.device import numpy_of, to_device
 from psrec.train.lookup import BatchLookup, LookupPlan
 
 
@@ -189,6 +195,8 @@ class StepRunner:
         # ... gathered for the model in bf16 when it declares it consumes them in bf16 anyway
         accepts = bf16 and getattr(model, "accepts_bf16_rows", False)
         self.pooled_dtype = torch.bfloat16 if accepts else torch.float32
+        self.device = client.device  # None: the CPU, over the pulled buffers themselves
+        self._autocast = "cpu" if self.device is None else self.device.type
         self.timer = PhaseTimer()
         self._unacknowledged: collections.deque[list[Pending]] = collections.deque()
         self._planner: _Planner | None = None
@@ -312,8 +320,12 @@ class StepRunner:
         timer = self.timer
         start = time.perf_counter()
         inp, weights = self.client.embed(plan, pulled, batch.dense, pooled_dtype=self.pooled_dtype)
-        labels = torch.from_numpy(np.require(batch.labels, requirements="W"))
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        labels = (
+            torch.from_numpy(np.require(batch.labels, requirements="W"))
+            if self.device is None
+            else to_device(batch.labels, self.device)
+        )
+        with torch.autocast(self._autocast, dtype=torch.bfloat16, enabled=self.bf16):
             loss, scores = self.model.loss(inp, labels)  # type: ignore[operator]
         loss, scores = loss.float(), scores.float()
         start = timer.add("forward", start)
@@ -345,7 +357,7 @@ class StepRunner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
         timer.add("optimizer", start)
-        return StepResult(step, float(loss.detach()), scores.numpy(), batch.labels, batch.row_ids)
+        return StepResult(step, float(loss.detach()), numpy_of(scores), batch.labels, batch.row_ids)
 
     def _empty_step(self, step: int) -> StepResult:
         for handle in self.client.submit_empty_push(step=step):
@@ -389,10 +401,10 @@ class StepRunner:
         inp, _ = self.client.embed(
             plan, pulled, batch.dense, requires_grad=False, pooled_dtype=self.pooled_dtype
         )
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self._autocast, dtype=torch.bfloat16, enabled=self.bf16):
             scores = self.model.predict(inp)  # type: ignore[operator]
         self.model.train()
-        return scores.float().numpy()
+        return numpy_of(scores.float())
 
 
 def _any_across_trainers(flag: bool) -> bool:

@@ -3,7 +3,9 @@
 `TrainerWorker` is a plain class: the in-process runtime calls it directly with in-process shards,
 and the Ray runtime runs it as an actor (`ray.remote(TrainerWorker)`) with shard actor handles. The
 driver calls `train_steps(n)` on every trainer together; in between it evaluates, checkpoints and
-reports progress, so those happen at step boundaries.
+reports progress, so those happen at step boundaries. The dense model lives on ``training.device``
+(`psrec.train.device`); the state a trainer hands out (checkpoints, snapshots, replicas) is in host
+memory whatever that device.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders
+from psrec.train.device import host_copy
 from psrec.train.lookup import BatchLookup
 from psrec.train.runner import Runner
 from psrec.train.startup import paused_gc
@@ -116,8 +119,10 @@ class TrainerWorker:
         self.sources = {
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
+        self.device = builders.training_device(self.config)  # cpu unless training.device says otherwise
         with paused_gc():  # a torch optimizer imports torch._dynamo (see paused_gc)
-            self.model = builders.maybe_compile(builders.build_model_for(self.config), self.config)
+            model = builders.build_model_for(self.config).to(self.device)  # initialised on the CPU
+            self.model = builders.maybe_compile(model, self.config)
             self.optimizer = builders.build_dense_optimizer(self.config, self.model)
         # strategy "collective": this trainer holds its own partition of every table; the client
         # over it needs the process group, so it is built in `init_process_group`.
@@ -189,6 +194,7 @@ class TrainerWorker:
             client,
             feature_tables=builders.feature_tables(self.config),
             sequence_tables=builders.sequence_tables(self.config),
+            device=None if self.device.type == "cpu" else self.device,  # None: the CPU's numba path
         )
         self.runner: Runner
         pipeline = self.config.ps.pipeline
@@ -272,15 +278,13 @@ class TrainerWorker:
     def init_process_group(
         self, master_address: str, master_port: int, timeout_s: float | None = None
     ) -> None:
-        """Join the trainers' gloo group (dense allreduce); NCCL when the trainers have GPUs. Trainer 0
-        serves the store on the socket `listen_for_group` opened. `timeout_s` bounds the wait for the
-        others (and every collective); torch's default otherwise."""
-        backend = (
-            "nccl" if torch.cuda.is_available() and self.config.ps.trainer_resources.num_gpus > 0 else "gloo"
-        )
+        """Join the trainers' gloo group (dense allreduce); NCCL for GPU tensors when the model is on a
+        GPU (`rendezvous.backend_for`). Trainer 0 serves the store on the socket `listen_for_group`
+        opened. `timeout_s` bounds the wait for the others (and every collective); torch's default
+        otherwise."""
         listener, self._store_listener = self._store_listener, None
         rendezvous.init_process_group(
-            backend,
+            rendezvous.backend_for(self.device.type),
             master_address=master_address,
             master_port=master_port,
             rank=self.trainer_index,
@@ -417,7 +421,7 @@ class TrainerWorker:
         """This trainer's dense replica: the model, its optimizer and its snapshots."""
         return {
             "model": self.dense_state(),
-            "optimizer": _clone(self.optimizer.state_dict()),
+            "optimizer": host_copy(self.optimizer.state_dict()),
             "snapshots": self._snapshots,
         }
 
@@ -541,8 +545,8 @@ class TrainerWorker:
 
     def save_snapshot(self, tag: str) -> None:
         self._snapshots[tag] = {
-            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optimizer": _clone(self.optimizer.state_dict()),
+            "model": host_copy(dict(self.model.state_dict())),
+            "optimizer": host_copy(self.optimizer.state_dict()),
         }
 
     def restore_snapshot(self, tag: str) -> None:
@@ -561,7 +565,7 @@ class TrainerWorker:
 
     def dense_checkpoint(self) -> dict[str, Any]:
         """The dense model and optimizer state (identical on every trainer after the allreduce)."""
-        return {"model": self.dense_state(), "optimizer": _clone(self.optimizer.state_dict())}
+        return {"model": self.dense_state(), "optimizer": host_copy(self.optimizer.state_dict())}
 
     def restore(self, dense: dict[str, Any] | None, state: dict[str, Any] | None) -> None:
         """Resume from a checkpoint: dense state, step, and this trainer's epoch and reader position."""
@@ -582,14 +586,4 @@ class TrainerWorker:
         return actor_location()
 
     def dense_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    return value
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}

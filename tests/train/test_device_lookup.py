@@ -1,0 +1,264 @@
+"""The lookup's device path (plain PyTorch ops, what a GPU trainer runs) against the numba CPU path.
+
+The device path is run here with device "cpu": for every kind of plan (fused gather, bagged pooling,
+per-table with sequences) it must give the model input and the row gradients of the numba kernels
+(`psrec.train.pooling`, `psrec.train.bag_pooling`), which their own tests check against
+``nn.EmbeddingBag``; the bagged case is also checked against ``nn.EmbeddingBag`` directly. A few
+steps of a `StepRunner` over each path train the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from psrec.data.batch import Batch, PaddedSequence, SparseBatch
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
+from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec
+from psrec.ps.client import LocalConnection
+from psrec.ps.routing import default_bucket_map
+from psrec.ps.shard import ParameterShard
+from psrec.train import builders
+from psrec.train.device import host_copy, to_device, to_host
+from psrec.train.lookup import BatchLookup, _flat_bags, batch_lookup
+from psrec.train.step import StepRunner
+from tests.conftest import small_run_config
+
+DIM = 8
+CPU = torch.device("cpu")
+TABLES = ("users", "tags", "items")
+
+
+def _tables(linear: bool) -> dict[str, EmbeddingTable]:
+    names = [*TABLES, *(f"{name}__linear" for name in TABLES if linear)]
+    return {
+        name: EmbeddingTable(
+            name,
+            1 if name.endswith("__linear") else DIM,
+            optimizer=SparseOptimizerSpec("sgd", lr=0.5),
+            initializer=InitializerSpec("uniform", scale=0.1),
+        )
+        for name in names
+    }
+
+
+def _lookups(
+    feature_tables: dict[str, str], *, linear: bool = False, sequence_tables: dict[str, str] | None = None
+) -> tuple[BatchLookup, BatchLookup]:
+    """(numba path, device path on the CPU), each over its own 2 shards holding the same rows."""
+
+    def lookup(device: torch.device | None) -> BatchLookup:
+        shards = [ParameterShard(s, _tables(linear)) for s in range(2)]
+        return batch_lookup(
+            [LocalConnection(s) for s in shards],
+            default_bucket_map(16, 2),
+            table_dims=dict.fromkeys(TABLES, DIM),
+            feature_tables=feature_tables,
+            sequence_tables=sequence_tables,
+            linear_terms=linear,
+            device=device,
+        )
+
+    return lookup(None), lookup(CPU)
+
+
+def _single_valued(rng: np.random.Generator, size: int) -> Batch:
+    ones = np.ones(size, np.int32)
+    features = {key: (rng.integers(0, 40, size), ones) for key in ("user", "item", "tag")}
+    return Batch(
+        np.zeros(size, np.float32), np.zeros((size, 0), np.float32), SparseBatch.from_features(features)
+    )
+
+
+def _bags(rng: np.random.Generator, size: int) -> Batch:
+    """Bags of 0-6 and 3-12 ids (empty bags too); the features' order is not their tables' order, so
+    the bagged plan's per-feature runs of ids are not in feature order."""
+    features: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for key, low, high in (("history", 3, 12), ("tags", 0, 6)):
+        lengths = rng.integers(low, high + 1, size).astype(np.int32)
+        features[key] = (rng.integers(0, 60, int(lengths.sum())), lengths)
+    features["item"] = (rng.integers(0, 60, size), np.ones(size, np.int32))
+    features["user"] = (rng.integers(0, 30, size), np.ones(size, np.int32))
+    return Batch(
+        np.zeros(size, np.float32), np.zeros((size, 0), np.float32), SparseBatch.from_features(features)
+    )
+
+
+BAG_TABLES = {"history": "items", "tags": "tags", "item": "items", "user": "users"}
+
+
+def _embed_and_backward(
+    lookup: BatchLookup, batch: Batch, upstream: dict[str, torch.Tensor], dtype: torch.dtype
+) -> tuple[Any, dict[str, np.ndarray | None]]:
+    plan = lookup.plan(batch)
+    inp, leaves = lookup.embed(plan, lookup.pull(plan), batch.dense, pooled_dtype=dtype)
+    loss = (inp.pooled.float() * upstream["pooled"]).sum()
+    if inp.linear is not None:
+        loss = loss + (inp.linear * upstream["linear"]).sum()
+    for name, sequence in inp.sequences.items():
+        loss = loss + (sequence * upstream[name]).sum()
+    loss.backward()
+    names = list(plan.unique_ids) + [f"{t}__linear" for t in plan.unique_ids if inp.linear is not None]
+    return inp, {name: leaves.grad(name) for name in names}
+
+
+def _compare(
+    numba: BatchLookup, device: BatchLookup, batch: Batch, dtype: torch.dtype, *, exact_pooling: bool
+) -> Any:
+    rng = np.random.default_rng(7)
+    features = len(batch.sparse.keys)
+    upstream = {
+        "pooled": torch.from_numpy(rng.normal(size=(batch.batch_size, features, DIM)).astype(np.float32)),
+        "linear": torch.from_numpy(rng.normal(size=(batch.batch_size, features)).astype(np.float32)),
+    }
+    for name, sequence in batch.sequences.items():
+        shape = (*sequence.ids.shape, DIM)
+        upstream[name] = torch.from_numpy(rng.normal(size=shape).astype(np.float32))
+    expected, expected_grads = _embed_and_backward(numba, batch, upstream, dtype)
+    got, grads = _embed_and_backward(device, batch, upstream, dtype)
+    assert got.pooled.shape == expected.pooled.shape and got.pooled.dtype == expected.pooled.dtype == dtype
+    assert got.pooled.is_contiguous()
+    if exact_pooling:  # a gather moves values: the same bits
+        assert torch.equal(got.pooled, expected.pooled)
+    else:  # float32 sums in another order; bf16: the sums rounded once, one ulp apart at most
+        rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+        torch.testing.assert_close(got.pooled.float(), expected.pooled.float(), rtol=rtol, atol=1e-6)
+    assert (got.linear is None) == (expected.linear is None)
+    if got.linear is not None:
+        torch.testing.assert_close(got.linear, expected.linear, rtol=1e-6, atol=1e-7)
+    for name, sequence in expected.sequences.items():
+        assert torch.equal(got.sequences[name], sequence)
+        assert torch.equal(got.masks[name], expected.masks[name])
+    torch.testing.assert_close(got.dense, expected.dense)
+    assert set(grads) == set(expected_grads)
+    for name, grad in expected_grads.items():
+        assert grad is not None and grads[name] is not None, name
+        np.testing.assert_allclose(grads[name], grad, rtol=1e-5, atol=1e-6, err_msg=name)
+    return got
+
+
+@pytest.mark.parametrize("linear", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gather_matches_the_numba_gather(linear: bool, dtype: torch.dtype) -> None:
+    numba, device = _lookups({"user": "users", "item": "items", "tag": "items"}, linear=linear)
+    batch = _single_valued(np.random.default_rng(1), 33)
+    assert numba.plan(batch).fused_index is not None
+    _compare(numba, device, batch, dtype, exact_pooling=True)
+
+
+@pytest.mark.parametrize("linear", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bags_match_the_numba_pooling_and_embedding_bag(linear: bool, dtype: torch.dtype) -> None:
+    numba, device = _lookups(BAG_TABLES, linear=linear)
+    batch = _bags(np.random.default_rng(2), 29)
+    plan = device.plan(batch)
+    assert plan.bag_offsets is not None and plan.fused_index is None
+    got = _compare(numba, device, batch, dtype, exact_pooling=False)
+
+    # Oracle: per feature, nn.EmbeddingBag over the rows of the ids it sees.
+    twins = _tables(linear)
+    expected = []
+    for key, table in BAG_TABLES.items():
+        ids, lengths = batch.sparse.feature(key)
+        distinct, local = np.unique(ids, return_inverse=True)
+        starts = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64))
+        bag = nn.EmbeddingBag.from_pretrained(torch.from_numpy(twins[table].pull(distinct)), mode="sum")
+        expected.append(bag(torch.from_numpy(local), starts))
+    rtol = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    oracle = torch.stack(expected, dim=1).to(dtype).float()
+    torch.testing.assert_close(got.pooled.float(), oracle, rtol=rtol, atol=1e-6)
+
+
+def test_flat_bags_put_each_features_run_in_feature_order() -> None:
+    # feature 0's ids are index[4:7] (bags [4, 5), [5, 7)), feature 1's index[0:4] (bags [0, 0), [0, 4))
+    index = np.array([10, 11, 12, 13, 20, 21, 22])
+    offsets = np.array([[4, 5, 7], [0, 0, 4]])
+    flat, starts = _flat_bags(index, offsets)
+    np.testing.assert_array_equal(flat, [20, 21, 22, 10, 11, 12, 13])
+    np.testing.assert_array_equal(starts, [0, 1, 3, 3])  # bags (f, b) at f * B + b
+
+
+def test_sequences_and_per_table_pooling_match() -> None:
+    tables = {"a": "items", "b": "items"}
+    numba, device = _lookups(tables, sequence_tables={"history": "items"})
+    sparse = SparseBatch.from_features(
+        {
+            "a": (np.array([10, 11, 10]), np.array([1, 1, 1])),
+            "b": (np.array([11, 12, 13, 2, 5]), np.array([2, 0, 3])),
+        }
+    )
+    history = PaddedSequence(
+        ids=np.array([[0, 10, 12], [0, 0, 11], [13, 12, 11]]),
+        mask=np.array([[False, True, True], [False, False, True], [True, True, True]]),
+    )
+    batch = Batch(
+        labels=np.array([1.0, 0.0, 1.0], np.float32),
+        dense=np.ones((3, 2), np.float32),
+        sparse=sparse,
+        sequences={"history": history},
+    )
+    plan = device.plan(batch)
+    assert plan.fused_index is None and plan.bag_offsets is None and plan.sequences
+    _compare(numba, device, batch, torch.float32, exact_pooling=False)
+
+
+def test_host_transfers_on_the_cpu_share_memory() -> None:
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tensor = to_device(array, CPU)
+    assert tensor.data_ptr() == array.ctypes.data  # the CPU path copies nothing
+    back = to_host({"rows": tensor})["rows"]
+    assert back.ctypes.data == array.ctypes.data
+    state = {"w": torch.ones(2, requires_grad=True), "nested": [torch.zeros(1)], "step": 3}
+    copied = host_copy(state)
+    assert copied["step"] == 3 and not copied["w"].requires_grad
+    assert copied["w"].data_ptr() != state["w"].data_ptr() and torch.equal(copied["w"], state["w"].detach())
+
+
+def test_a_runner_on_the_device_path_trains_like_the_numba_path(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    config = small_run_config(synthetic_sources, tmp_path)
+
+    def run(device: torch.device | None) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+        torch.manual_seed(config.training.seed)
+        shard = ParameterShard(0, builders.build_tables(config))
+        model = builders.build_model_for(config)
+        client = batch_lookup(
+            [LocalConnection(shard)],
+            np.zeros(config.ps.num_buckets, dtype=np.int64),
+            table_dims={n: s.dim for n, s in builders.table_specs(config).items()},
+            feature_tables=builders.feature_tables(config),
+            device=device,
+        )
+        runner = StepRunner(model, builders.build_dense_optimizer(config, model), client)
+        readers = [
+            open_reader(
+                DataSource.model_validate(synthetic_sources[split]), config.feature_schema(), batch_size=256
+            )
+            for split in ("train", "validation")
+        ]
+        try:
+            losses = [result.loss for result in runner.run(iter(readers[0]), first_step=0, max_steps=5)]
+            runner.close()
+            scores = runner.predict(next(iter(readers[1])))
+        finally:
+            for reader in readers:
+                reader.close()
+        return losses, model.state_dict(), (scores, shard.table_rows())
+
+    losses, state, (scores, rows) = run(None)
+    device_losses, device_state, (device_scores, device_rows) = run(CPU)
+    assert len(losses) == 5 and isinstance(device_scores, np.ndarray)
+    np.testing.assert_allclose(device_losses, losses, rtol=1e-5)
+    np.testing.assert_allclose(device_scores, scores, rtol=1e-4, atol=1e-6)
+    for name, value in state.items():
+        torch.testing.assert_close(device_state[name], value, rtol=1e-4, atol=1e-6)
+    for table, (ids, values) in rows.items():
+        np.testing.assert_array_equal(device_rows[table][0], ids)
+        np.testing.assert_allclose(device_rows[table][1], values, rtol=1e-4, atol=1e-6)
