@@ -65,6 +65,7 @@ RUN = {"training.batch_size": 10, "training.dense_optimizer": {"name": "sgd", "l
         ({"ps.pipeline": {"stages": 2, "microbatches": 0}}, r"ps.pipeline.microbatches"),
         ({"ps.num_trainers": 5, "ps.pipeline": {"stages": 5}}, r"stages=5 is more than the 4 parts"),
         ({"training.dense_precision": "bf16"}, "ps.pipeline supports training.dense_precision fp32 only"),
+        ({"training.device": "cuda"}, "ps.pipeline trains on the CPU: set training.device to cpu"),
     ],
 )
 def test_pipeline_config_is_checked(
