@@ -45,14 +45,18 @@ def resolve_device(setting: str, *, cuda_available: bool, pipeline: bool = False
     return "cuda"
 
 
+def pinned(array: np.ndarray) -> torch.Tensor:
+    """A copy of `array` in pinned (page-locked) host memory, which a GPU copies from asynchronously."""
+    return torch.from_numpy(np.require(array, requirements="W")).pin_memory()
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """`array` as a tensor on `device`: on the CPU the array's own memory (no copy); on a GPU a copy
     staged in pinned host memory and sent without waiting (the caching host allocator keeps the pinned
     block until the copy is done)."""
-    tensor = torch.from_numpy(np.require(array, requirements="W"))
     if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+        return torch.from_numpy(np.require(array, requirements="W"))
+    return pinned(array).to(device, non_blocking=True)
 
 
 def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -12,9 +12,11 @@ from psrec.config import ConfigError
 from psrec.parallel.rendezvous import backend_for
 from psrec.train import builders
 from psrec.train.device import resolve_device
+from psrec.train.loop import train
 from tests.conftest import small_run_config
 
 SOURCES: dict[str, Any] = {"train": {"format": "parquet", "paths": ["unused/*.parquet"]}}
+NO_CUDA = not torch.cuda.is_available()
 
 
 def test_resolution_is_a_pure_function_of_the_setting_and_the_process() -> None:
@@ -39,7 +41,7 @@ def test_the_default_cpu_device_never_asks_cuda(tmp_path: Path, monkeypatch: pyt
     assert builders.training_device(config) == torch.device("cpu")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.skipif(not NO_CUDA, reason="this machine has a CUDA device")
 def test_cuda_without_a_device_is_a_config_error_saying_what_to_do(tmp_path: Path) -> None:
     config = small_run_config(SOURCES, tmp_path, **{"training.device": "cuda"})
     with pytest.raises(ConfigError) as error:
@@ -74,3 +76,31 @@ def test_the_device_is_not_part_of_the_checkpoint_fingerprint(tmp_path: Path) ->
 def test_gpu_trainers_reduce_gpu_tensors_with_nccl_and_the_rest_with_gloo() -> None:
     assert backend_for("cpu") == "gloo"
     assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")
+def test_in_process_training_on_cuda_matches_the_cpu_run(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """The whole run (in-process runtime, evaluation, checkpoint) on the GPU, against the same run on
+    the CPU: float32 on other kernels, so equal within tolerance. SGD for the dense model (see
+    tests/train/test_device_lookup.py)."""
+    options: dict[str, Any] = {
+        "training.max_steps": 30,
+        "training.dense_optimizer": {"name": "sgd", "lr": 0.05},
+    }
+    cpu = train(small_run_config(synthetic_sources, tmp_path / "cpu", **options))
+    gpu_config = small_run_config(
+        synthetic_sources, tmp_path / "cuda", **options, **{"training.device": "cuda"}
+    )
+    assert builders.training_device(gpu_config).type == "cuda"
+    gpu = train(gpu_config)
+    assert gpu["steps"] == cpu["steps"] == 30
+    assert gpu["samples"] == cpu["samples"]
+    for metric in ("auc", "logloss"):
+        assert gpu["validation"][metric] == pytest.approx(cpu["validation"][metric], rel=1e-3, abs=1e-4)
+    assert {t: v["rows"] for t, v in gpu["tables"].items()} == {
+        t: v["rows"] for t, v in cpu["tables"].items()
+    }
+    assert list((tmp_path / "cuda").glob("checkpoints/*"))  # its dense state was written from host copies
