@@ -29,6 +29,11 @@ Criteo's 26, each a bag of POOLING ids per sample ("fixed", the default) or of a
 [0, 2 x POOLING] ("variable": empty bags included); ids are integers (no hashing) and every system
 sum-pools the same bags (EmbeddingBag, TorchRec's fused TBE, psrec's bag kernel, TensorFlow's
 segment sums). Bags hold many ids: lower --rows (every run loads its batches) to what the steps need.
+
+Device (--device auto|cpu|cuda, default auto: cuda when this machine has a CUDA device): plain
+PyTorch, the ceiling and psrec's trainers train on it (psrec's rows stay on its shards, in host
+memory; Ray layouts with more trainers than GPUs stay on the CPU); TorchRec and TensorFlow run on the
+CPU. The table's header and its device column say where each system ran.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +65,12 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each system")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the dense models train (auto: cuda when this machine has a CUDA device)",
+    )
     parser.add_argument(
         "--sparse-lr",
         type=_positive,
@@ -110,6 +122,20 @@ def _multi_hot(spec: str) -> tuple[int, int, str]:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def bench_device(setting: str) -> str:
+    """--device as the workload's "cpu" or "cuda"; ValueError for cuda on a machine without one."""
+    import torch
+
+    if setting == "cpu":
+        return "cpu"
+    available = torch.cuda.is_available()
+    if setting == "cuda" and not available:
+        raise ValueError(
+            "--device cuda: this machine has no CUDA device (or torch is a CPU build); use --device cpu or auto"
+        )
+    return "cuda" if available else "cpu"
+
+
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The `Workload` of a `psrec bench` command line."""
     multi_hot = args.multi_hot or (0, 1, "fixed")
@@ -126,6 +152,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         multi_hot_features=multi_hot[0],
         pooling_factor=multi_hot[1],
         bag_lengths=multi_hot[2],
+        device=bench_device(getattr(args, "device", "auto")),
     )
 
 
@@ -136,7 +163,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tf_python:
         os.environ[PYTHON_VARIABLE] = args.tf_python  # the isolated system processes inherit it
 
-    workload = workload_from_args(args)
+    try:
+        workload = workload_from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
     def progress(round_index: int, result: dict[str, Any]) -> None:
         if "samples_per_second" in result:
@@ -180,7 +211,9 @@ def format_table(report: dict[str, Any]) -> str:
         f"DLRM dim {workload['dim']}, {sparse} sparse features, batch {workload['batch_size']}, "
         f"{workload['threads']} threads, "
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
-        f"{machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
+        f"device {workload.get('device', 'cpu')}"
+        + (f" ({machine['gpu']})" if machine.get("gpu") and workload.get("device") == "cuda" else "")
+        + f"; {machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
         + (f", {machine['load_average_end'][0]:.2f} at end" if "load_average_end" in machine else ""),
         "wall: median samples/s and within-round ratios, each to the system of that kind at the same "
         "precision ('-': none ran; x TF: to TensorFlow; x peer: to the fastest of PyTorch, TorchRec "
@@ -191,7 +224,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'system':20s} {'precision':15s} {'samples/s':>9s} {'x pytorch':>9s} {'x torchrec':>10s} "
         f"{'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'x psrec':>7s} {'x fp32*':>7s} "
         f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'best':>7s} "
-        f"{'peak RSS':>8s} {'val AUC':>7s}  status",
+        f"{'peak RSS':>8s} {'val AUC':>7s} {'device':6s} status",
     ]
     for row in report["rows"]:
         rss = row["peak_rss_bytes"]
@@ -207,8 +240,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_number(row.get('cpu_ratio_to_best_peer'), '6.2f')} "
             f"{_number(row.get('cpu_fraction_of_ceiling'), '7.2f')} "
             f"{_number(row.get('best_step_samples_per_second'), '7.0f')} "
-            f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')}  "
-            f"{row['status']}"
+            f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')} "
+            f"{row.get('device') or '-':6s} {row['status']}"
         )
     return "\n".join(lines)
 

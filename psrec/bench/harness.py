@@ -504,6 +504,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             "best_step_samples_per_second": max(best) if best else None,
             "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in mine), default=0) or None,
             "auc": _median(aucs),
+            "device": next((r["device"] for r in reversed(mine) if "device" in r), None),
             "status": _status(mine),
         }
         if last is not None and "phase_seconds" in last:
@@ -568,6 +569,7 @@ def machine_description() -> dict[str, Any]:
         "load_average": list(os.getloadavg()),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

@@ -19,6 +19,10 @@ Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits 
 measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled).
 `seconds_to_first_step` is the run's time from the `train()` call to the end of its first step
 (`summary.json`'s ``startup``): for Ray runs, the actors' start without the cluster's own.
+
+With `Workload.device` "cuda" the trainers train on the GPU (``training.device: cuda``; Ray trainers
+ask for one GPU each), except Ray layouts with more trainers than the machine has GPUs (NCCL needs a
+GPU per trainer), which stay on the CPU; the result's ``device`` says which (`psrec_device`).
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ def bench_config(
     steps = chunk * (1 + timed_chunks) if workload.warmup_steps else workload.steps
     first_epoch = epoch_steps(workload) if options.cache_data else 0
     trainer_threads = layout.trainer_threads or workload.threads
+    device = psrec_device(workload, layout)
+    gpus = {"num_gpus": 1} if device == "cuda" and layout.runtime == "ray" else {}
     table = {
         "dim": workload.dim,
         "optimizer": {"name": "rowwise_adagrad", "lr": workload.sparse_lr},
@@ -154,6 +160,7 @@ def bench_config(
             "dense_precision": options.dense_precision,
             "compile": options.compile_model,
             "seed": workload.seed,
+            "device": device,
         },
         "ps": {
             "runtime": layout.runtime,
@@ -161,11 +168,23 @@ def bench_config(
             "num_shards": layout.num_shards,
             "mode": "sync",
             "wire_precision": options.wire_precision,
-            "trainer_resources": {"num_cpus": 1, "threads": trainer_threads},
+            "trainer_resources": {"num_cpus": 1, "threads": trainer_threads, **gpus},
             "shard_resources": {"num_cpus": 0.5, "threads": layout.shard_threads},
         },
         "checkpoint": {"enabled": False},
     }
+
+
+def psrec_device(workload: Workload, layout: PsrecLayout) -> str:
+    """Where a psrec system's trainers train: the workload's device, but a Ray layout with more
+    trainers than GPUs stays on the CPU (see the module docstring)."""
+    if workload.device != "cuda":
+        return "cpu"
+    import torch
+
+    if layout.runtime == "ray" and layout.num_trainers > torch.cuda.device_count():
+        return "cpu"
+    return "cuda"
 
 
 def epoch_steps(workload: Workload) -> int:
@@ -361,6 +380,7 @@ def run_psrec(
         bytes_pushed_per_sample=summary["bytes_pushed_per_sample"],
         num_trainers=layout.num_trainers,
         num_shards=layout.num_shards,
+        device=config.training.device,
         # from the train() call; a Ray system's cluster is up before it (started above)
         seconds_to_first_step=summary["startup"]["seconds_from_train_call"],
     )

@@ -100,7 +100,12 @@ def run_tensorflow(
             "precision": "bf16" if bf16 else "fp32",
         }
         (root / "request.json").write_text(json.dumps(request))
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": str(workload.threads)}
+        env = {
+            **os.environ,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "OMP_NUM_THREADS": str(workload.threads),
+            "CUDA_VISIBLE_DEVICES": "",  # the CPU system it is (`result["device"]`), on any machine
+        }
         command = [python, str(SCRIPT), str(root / "request.json"), str(root / "result.json")]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
         if done.returncode != 0 or not (root / "result.json").exists():
@@ -110,4 +115,5 @@ def run_tensorflow(
     scores = np.asarray(result.pop("validation_scores"), dtype=np.float64)
     labels = np.concatenate([batch.labels.numpy() for batch in validation])
     result["auc"] = auc(labels, scores) if scores.size else None
+    result["device"] = "cpu"
     return result

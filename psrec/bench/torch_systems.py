@@ -21,6 +21,10 @@ rows leave 37% of the rows unused) and cost AUC that psrec does not pay. Each ta
 the data sources and returns a result dict (see `timed_loop`). All inputs are turned into tensors
 (ids into row numbers) before timing starts; `workload.warmup_steps` untimed steps come first (a
 compiled model compiles in the first of them).
+
+Plain PyTorch and the ceiling run on `workload.device`: on "cuda" the tables, the model and every
+batch are on the GPU before timing starts, and each step is timed until the GPU has finished it.
+TorchRec runs on the CPU (its result says so).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, overload
 
 import numpy as np
@@ -41,9 +46,17 @@ logger = logging.getLogger(__name__)
 
 
 def timed_loop(workload: Workload, batches: list[TensorBatch], step: Callable[[TensorBatch], None]) -> dict:
-    """Run warm-up then timed steps over `batches` (cycled): samples/s (wall and per CPU-second)."""
+    """Run warm-up then timed steps over `batches` (cycled): samples/s (wall and per CPU-second).
+    On a GPU (`workload.device`) each step counts until the GPU has finished its work."""
+    device = torch.device(workload.device)
+
+    def finished() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for index in range(workload.warmup_steps):
         step(batches[index % len(batches)])
+    finished()
     start, cpu_start = time.perf_counter(), time.process_time()
     samples = 0
     step_rates = []
@@ -51,6 +64,7 @@ def timed_loop(workload: Workload, batches: list[TensorBatch], step: Callable[[T
         batch = batches[index % len(batches)]
         began = time.perf_counter()
         step(batch)
+        finished()
         step_rates.append(batch.batch_size / (time.perf_counter() - began))
         samples += batch.batch_size
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -60,6 +74,7 @@ def timed_loop(workload: Workload, batches: list[TensorBatch], step: Callable[[T
         "best_step_samples_per_second": max(step_rates),
         "timed_seconds": seconds,
         "timed_samples": samples,
+        "device": device.type,
     }
 
 
@@ -69,8 +84,8 @@ def _evaluate(predict: Callable[[TensorBatch], torch.Tensor], batches: list[Tens
     scores, labels = [], []
     with torch.no_grad():
         for batch in batches:
-            scores.append(predict(batch).float().numpy())
-            labels.append(batch.labels.numpy())
+            scores.append(predict(batch).float().cpu().numpy())
+            labels.append(batch.labels.cpu().numpy())
     return auc(np.concatenate(labels), np.concatenate(scores))
 
 
@@ -157,14 +172,16 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     continue
                 state = self.state[weight]
                 if "accumulator" not in state:
-                    state["accumulator"] = torch.zeros(weight.shape[0], dtype=torch.float32)
+                    state["accumulator"] = torch.zeros(
+                        weight.shape[0], dtype=torch.float32, device=weight.device
+                    )
                 accumulator = state["accumulator"]
                 grad = weight.grad
                 if grad.is_sparse:
                     grad = grad.coalesce()
                     rows, values = grad.indices()[0], grad.values()  # (n,), (n, D)
                 else:
-                    rows, values = torch.arange(weight.shape[0]), grad
+                    rows, values = torch.arange(weight.shape[0], device=weight.device), grad
                 touched = accumulator[rows] + values.float().square().mean(dim=1)  # (n,)
                 accumulator[rows] = touched
                 scale = -group["lr"] / (touched.sqrt() + group["eps"])
@@ -177,9 +194,11 @@ def run_pytorch(
 ) -> dict[str, Any]:
     set_threads(workload.threads)
     torch.manual_seed(workload.seed)
-    model = build_dlrm(workload)  # first after seeding: the same dense init as psrec's trainer
+    device = torch.device(workload.device)
+    model = build_dlrm(workload).to(device)  # first after seeding: the same dense init as psrec's trainer
     train, validation, sizes = _inputs(workload, sources)
-    embeddings = PlainEmbeddings(sizes, workload.dim, workload.init_scale)
+    train, validation = [b.to(device) for b in train], [b.to(device) for b in validation]
+    embeddings = PlainEmbeddings(sizes, workload.dim, workload.init_scale).to(device)
     sparse_optimizer: torch.optim.Optimizer = (
         RowWiseAdagrad(embeddings.parameters(), lr=workload.sparse_lr)
         if rowwise
@@ -188,7 +207,7 @@ def run_pytorch(
     dense_optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
 
     def step(batch: TensorBatch) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, _ = model.loss(ModelInput(batch.dense, embeddings(batch)), batch.labels)
         sparse_optimizer.zero_grad()
         dense_optimizer.zero_grad()
@@ -197,7 +216,7 @@ def run_pytorch(
         dense_optimizer.step()
 
     def predict(batch: TensorBatch) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             return model.predict(ModelInput(batch.dense, embeddings(batch)))
 
     result = timed_loop(workload, train, step)
@@ -289,7 +308,7 @@ def run_torchrec(
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return model.predict(ModelInput(batch.dense, pooled(batch)))
 
-    result = timed_loop(workload, train, step)
+    result = timed_loop(replace(workload, device="cpu"), train, step)  # on the CPU, whatever the device
     model.eval()
     result["auc"] = _evaluate(predict, validation)
     result["peak_rss_bytes"] = peak_rss_bytes()
@@ -302,7 +321,8 @@ def run_ceiling(
 ) -> dict[str, Any]:
     set_threads(workload.threads)
     torch.manual_seed(workload.seed)
-    model = build_dlrm(workload)
+    device = torch.device(workload.device)
+    model = build_dlrm(workload).to(device)
     if compile_model:
         from psrec.train.builders import compile_dense_model
 
@@ -315,9 +335,10 @@ def run_ceiling(
     train = load_batches(
         sources["train"], workload, batch_size=workload.batch_size, max_batches=workload.total_steps
     )
+    train = [b.to(device) for b in train]
     dtype = torch.bfloat16 if bf16 else torch.float32
     pooled = [
-        (torch.rand(b.batch_size, workload.num_sparse, workload.dim) * 0.1).to(dtype).requires_grad_()
+        (torch.rand(b.batch_size, workload.num_sparse, workload.dim) * 0.1).to(device, dtype).requires_grad_()
         for b in train
     ]
     optimizer = torch.optim.Adam(model.parameters(), lr=workload.dense_lr)
@@ -325,7 +346,7 @@ def run_ceiling(
 
     def step(batch: TensorBatch) -> None:
         rows = pairs[id(batch)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, _ = model.loss(ModelInput(batch.dense, rows), batch.labels)
         optimizer.zero_grad()
         loss.backward()

@@ -22,6 +22,9 @@ like the Criteo ids over `MULTI_HOT_CARDINALITY` x `cardinality_scale` ids per f
 them carry a noisy copy of the row's label (the label in 65% of the rows, one copy per row for all
 features) in their lowest bit, so that the bags are worth learning without giving the label away. Every system
 pools a bag by summing its rows.
+- `Workload.device`: where the dense model trains ("cpu", or "cuda" on a GPU machine: `psrec bench
+  --device`); the PyTorch systems move their tables, model and batches there, psrec sets
+  ``training.device``; TorchRec and TensorFlow run on the CPU.
 - `peak_rss_bytes`, `process_cpu_seconds`, `set_threads`: measurement plumbing. Besides wall-clock
   samples/s every system reports samples per CPU-second (all its threads and processes, spinning
   OpenMP threads included), which other jobs on the machine disturb far less.
@@ -76,6 +79,7 @@ class Workload:
     multi_hot_features: int = 0
     pooling_factor: int = 1
     bag_lengths: str = "fixed"
+    device: str = "cpu"  # "cpu" or "cuda" (see the module docstring)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -117,6 +121,8 @@ class Workload:
             )
         if self.dim < 1 or self.steps < 1 or self.warmup_steps < 0 or self.threads < 1:
             raise ValueError(f"bad workload {self}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"workload device must be cpu or cuda, not {self.device!r}")
         if self.multi_hot_features < 0 or self.pooling_factor < 1 or self.bag_lengths not in BAG_LENGTHS:
             raise ValueError(
                 f"multi-hot: need features >= 0, pooling factor >= 1 and bag lengths in {BAG_LENGTHS}, got "
@@ -254,6 +260,18 @@ class TensorBatch:
     @property
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
+
+    def to(self, device: torch.device) -> TensorBatch:
+        """The same batch on `device` (itself on the CPU)."""
+        if device.type == "cpu":
+            return self
+        return TensorBatch(
+            self.dense.to(device),
+            self.labels.to(device),
+            [t.to(device) for t in self.ids],
+            [t.to(device) for t in self.offsets],
+            [t.to(device) for t in self.lengths],
+        )
 
 
 def load_batches(
