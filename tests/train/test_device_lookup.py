@@ -107,6 +107,7 @@ def _embed_and_backward(
 ) -> tuple[Any, dict[str, np.ndarray | None]]:
     plan = lookup.plan(batch)
     inp, leaves = lookup.embed(plan, lookup.pull(plan), batch.dense, pooled_dtype=dtype)
+    upstream = {name: grad.to(inp.pooled.device) for name, grad in upstream.items()}
     loss = (inp.pooled.float() * upstream["pooled"]).sum()
     if inp.linear is not None:
         loss = loss + (inp.linear * upstream["linear"]).sum()
