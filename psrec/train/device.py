@@ -17,7 +17,8 @@ copy (`psrec.train.lookup`). See docs/gpu.md.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ import torch
 from psrec.config import ConfigError
 
 DEVICES = ("cpu", "cuda", "auto")
+Key = TypeVar("Key")
 
 
 def resolve_device(setting: str, *, cuda_available: bool, pipeline: bool = False) -> str:
@@ -59,10 +61,10 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return pinned(array).to(device, non_blocking=True)
 
 
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def to_host(tensors: Mapping[Key, torch.Tensor]) -> dict[Key, np.ndarray]:
     """The tensors as NumPy arrays in host memory: views of CPU tensors; GPU tensors copied into pinned
     buffers without waiting, then one wait for all of them."""
-    out: dict[str, np.ndarray] = {}
+    out: dict[Key, np.ndarray] = {}
     waits: set[torch.device] = set()
     for name, tensor in tensors.items():
         tensor = tensor.detach()

@@ -114,7 +114,8 @@ class RowLeaves:
                 self.spans[name] = (key, start, stop)
             else:
                 self.own[name] = leaf(rows).requires_grad_(requires_grad)
-        self._host_grads: dict[str, np.ndarray] | None = None  # with a device: every leaf's gradient
+        # with a device: every leaf's gradient in host memory, by (fused or own, name)
+        self._host_grads: dict[tuple[bool, str], np.ndarray] | None = None
 
     def table(self, name: str) -> torch.Tensor:
         if name in self.own:
@@ -142,12 +143,14 @@ class RowLeaves:
 
     def _host_grad(self, name: str) -> np.ndarray | None:
         if self._host_grads is None:  # after backward: every leaf's gradient in one round of copies
-            leaves = {**self.fused, **self.own}
-            self._host_grads = to_host({k: t.grad for k, t in leaves.items() if t.grad is not None})
+            leaves = [((True, k), t) for k, t in self.fused.items()] + [
+                ((False, k), t) for k, t in self.own.items()
+            ]
+            self._host_grads = to_host({key: t.grad for key, t in leaves if t.grad is not None})
         if name in self.own:
-            return self._host_grads.get(name)
+            return self._host_grads.get((False, name))
         key, start, stop = self.spans[name]
-        grad = self._host_grads.get(key)
+        grad = self._host_grads.get((True, key))
         return None if grad is None else grad[start:stop]
 
 
