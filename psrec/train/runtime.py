@@ -319,6 +319,13 @@ class RayRuntime(RuntimeBase):
                 f"{config.ps.num_shards} shards x {config.ps.shard_resources.num_cpus} CPU = {required_cpus(config)} "
                 f"CPUs, but the Ray cluster has {available}: lower ps.*_resources.num_cpus or add nodes"
             )
+        gpus = config.ps.num_trainers * config.ps.trainer_resources.num_gpus
+        if gpus > ray.cluster_resources().get("GPU", 0.0):
+            raise ConfigError(
+                f"ps: {config.ps.num_trainers} trainers x {config.ps.trainer_resources.num_gpus} GPU = {gpus} "
+                f"GPUs, but the Ray cluster has {ray.cluster_resources().get('GPU', 0.0)}: add GPU nodes, "
+                "or set ps.trainer_resources.num_gpus: 0 and training.device: cpu"
+            )
         self._base_dir = base_dir
         self._data_sources = data_sources
         self._lr_factor = 1.0

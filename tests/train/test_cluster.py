@@ -164,6 +164,29 @@ def test_embedded_job_listens_on_loopback_only(
         runtime.shutdown()
 
 
+@pytest.mark.ray
+def test_trainers_asking_for_more_gpus_than_the_cluster_has_are_refused(
+    ray_cluster: None, synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    import ray
+
+    from psrec.train.runtime import RayRuntime
+
+    trainers = int(ray.cluster_resources().get("GPU", 0.0)) + 1
+    config = small_run_config(
+        synthetic_sources,
+        tmp_path / "run",
+        **{
+            "ps.runtime": "ray",
+            "ps.num_trainers": trainers,
+            "ps.trainer_resources": {"num_cpus": 0.5, "num_gpus": 1},
+            "training.device": "cuda",
+        },
+    )
+    with pytest.raises(ConfigError, match=rf"{trainers} trainers x 1.0 GPU = {trainers}.0 GPUs, but the Ray"):
+        RayRuntime(config, base_dir=str(tmp_path), data_sources=synthetic_sources)
+
+
 def test_an_address_names_the_cluster_whose_gcs_listens_there() -> None:
     from psrec.train.cluster import same_cluster
 
