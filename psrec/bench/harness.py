@@ -518,8 +518,9 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             row["profile"] = step_profile(last)
             for key in ("bytes_pulled_per_sample", "bytes_pushed_per_sample", "num_trainers", "num_shards"):
                 row[key] = last[key]
-            if "placement" in last:
-                row["placement"] = last["placement"]
+            for key in ("placement", "ray_daemons_cpu_seconds_per_sample"):
+                if key in last:
+                    row[key] = last[key]
             starts = [float(r["seconds_to_first_step"]) for r in mine if r.get("seconds_to_first_step")]
             row["seconds_to_first_step"] = _median(starts)
         rows.append(row)

@@ -35,7 +35,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,8 @@ from psrec.data.synth import CRITEO_SPARSE
 logger = logging.getLogger(__name__)
 
 ACTOR_NAMES = ("ray::ShardActor", "ray::TrainerWorker")
+# Ray's own processes (executable names): objects move between nodes through the raylets.
+RAY_DAEMONS = ("raylet", "gcs_server")
 # Custom resources every node of a multi-node bench cluster offers; `ps.placement` pins actors to them.
 TRAINER_RESOURCE = "psrec_trainer"
 SHARD_RESOURCE = "psrec_shard"
@@ -209,7 +211,8 @@ class ProgressClock:
     `clock` and `cpu` are taken when the report arrives, less the time and CPU this callback spent on
     earlier reports (reading the actors' CPU time scans /proc), so that the bench's bookkeeping is
     not charged to psrec while all of the driver's own work is. `cpu` adds the psrec actors' CPU
-    seconds when `actors` is set (Ray runs).
+    seconds when `actors` is set (Ray runs); `ray_daemons_cpu` is then the CPU seconds of Ray's own
+    processes under this one (raylets and GCS: not in `cpu`, as Ray's share of the machine).
     """
 
     def __init__(self, *, actors: bool = False) -> None:
@@ -221,9 +224,10 @@ class ProgressClock:
     def __call__(self, report: dict[str, Any]) -> None:
         arrived, cpu = time.perf_counter(), time.process_time()
         actors = sum(process_cpu_seconds(pid) for pid in _actor_pids()) if self.actors else 0.0
-        self.reports.append(
-            {**report, "clock": arrived - self._own_seconds, "cpu": cpu + actors - self._own_cpu}
-        )
+        stamps = {"clock": arrived - self._own_seconds, "cpu": cpu + actors - self._own_cpu}
+        if self.actors:
+            stamps["ray_daemons_cpu"] = sum(process_cpu_seconds(pid) for pid in _ray_daemon_pids())
+        self.reports.append({**report, **stamps})
         self._own_seconds += time.perf_counter() - arrived
         self._own_cpu += time.process_time() - cpu
 
@@ -260,6 +264,10 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int
     else:
         cpu_samples, cpu = timed[-1]["samples"] - start["samples"], timed[-1]["cpu"] - start["cpu"]
     samples, seconds = timed[-1]["samples"] - start["samples"], timed[-1]["clock"] - start["clock"]
+    daemons: dict[str, float] = {}
+    if start.get("ray_daemons_cpu") is not None and "ray_daemons_cpu" in timed[-1]:
+        daemon_seconds = timed[-1]["ray_daemons_cpu"] - start["ray_daemons_cpu"]
+        daemons["ray_daemons_cpu_seconds_per_sample"] = daemon_seconds / max(samples, 1)
     phases: dict[str, float] = timed[-1].get("phase_seconds", {})
     before: dict[str, float] = start.get("phase_seconds", {})
     window = [start, *(timed[1:] if start is timed[0] else timed)]
@@ -276,11 +284,22 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int
         "timed_samples": samples,
         "timed_steps": timed[-1]["step"] - start["step"],
         "timed_phase_seconds": {phase: value - before.get(phase, 0.0) for phase, value in phases.items()},
+        **daemons,
     }
 
 
 def _actor_pids() -> list[int]:
     """psrec actor processes started under this process (other jobs' Ray clusters are not counted)."""
+    return _processes_under_me(lambda title: title.startswith(ACTOR_NAMES))
+
+
+def _ray_daemon_pids() -> list[int]:
+    """The raylets and GCS of the Ray cluster this process started (embedded or local multi-node)."""
+    return _processes_under_me(lambda title: Path(title).name in RAY_DAEMONS)
+
+
+def _processes_under_me(wanted: Callable[[str], bool]) -> list[int]:
+    """Descendants of this process whose command's first word passes `wanted`."""
     parents: dict[int, int] = {}
     titles: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
@@ -305,7 +324,7 @@ def _actor_pids() -> list[int]:
                 return False
         return False
 
-    return [pid for pid, title in titles.items() if title.startswith(ACTOR_NAMES) and mine(pid)]
+    return [pid for pid, title in titles.items() if wanted(title) and mine(pid)]
 
 
 class _ActorRssPoller:

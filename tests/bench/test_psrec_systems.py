@@ -184,3 +184,11 @@ def test_the_two_node_layout_runs_one_trainer_and_one_shard_on_each_node(tmp_pat
     assert result["samples_per_second"] > 0 and result["samples_per_cpu_second"] > 0
     assert result["bytes_pulled_per_sample"] > 0 and result["bytes_pushed_per_sample"] > 0
     assert not ray.is_initialized()
+
+
+def test_timed_rate_gives_ray_daemons_cpu_per_timed_sample() -> None:
+    points = reports([(0, 100, 1.0, 10.0, 1.0), (0, 300, 3.0, 12.0, 3.0)])
+    points[0]["ray_daemons_cpu"], points[1]["ray_daemons_cpu"] = 5.0, 5.5
+    timed = _timed_rate(points, has_warmup=True)
+    assert timed["ray_daemons_cpu_seconds_per_sample"] == pytest.approx(0.5 / 200)
+    assert "ray_daemons_cpu_seconds_per_sample" not in _timed_rate(reports([(0, 100, 1.0, 10.0, 1.0)]), True)

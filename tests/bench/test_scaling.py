@@ -146,6 +146,7 @@ def test_the_command_prints_inputs_check_and_predictions(
             {"total": 210.0, "pull": 12.0, "push": 9.0},
             bytes_pulled_per_sample=901.0,
             placement={"nodes_used": 2},
+            ray_daemons_cpu_seconds_per_sample=4.25e-6,
         ),
     ]
     report = tmp_path / "report.json"
@@ -153,7 +154,11 @@ def test_the_command_prints_inputs_check_and_predictions(
     assert scaling.main([str(report), "--layouts", "8x4,128x32", "--gbps", "10,100"]) == 0
     out = capsys.readouterr().out
     assert "| bytes pulled per sample, p | 901 B |" in out  # from the across-nodes run
-    assert "| `psrec-ray-2x2-nodes` | 2 | 28,000 |" in out
+    nodes_row = next(
+        line for line in out.splitlines() if line.startswith("| `psrec-ray-2x2-nodes` | 2 | 28,000 |")
+    )
+    assert "| 19,000 | 4.2 | 901 | 950 |" in nodes_row  # CPU-s, raylets' us/smp, bytes
+    assert "| `psrec-ray-2x2` | 1 | 30,000 |" in out and "| 20,000 | - | 900 | 950 |" in out
     assert "| layout N x M | 10 Gb/s | 100 Gb/s | 10 Gb/s, rpc queued | 100 Gb/s, rpc queued |" in out
     assert "| 128 x 32 |" in out
 
