@@ -281,18 +281,19 @@ def format_inputs(costs: StepCosts) -> str:
 def format_check(checked: list[dict[str, Any]], cores: float) -> str:
     lines = [
         f"| layout | Ray nodes | measured samples/s | model, own cores | model, {cores:g} shared cores "
-        "| measured samples per CPU-s | raylets + GCS, CPU us/smp | pullB/smp | pushB/smp |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| measured samples per CPU-s | raylets + GCS, CPU us/smp | cores busy | pullB/smp | pushB/smp |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in checked:
         measured = entry["measured"]
         daemons = entry["ray_daemons_cpu_seconds_per_sample"]
+        busy = measured * (1 / entry["cpu"] + (daemons or 0.0))  # psrec's processes and Ray's own
         lines.append(
             f"| `{entry['system']}` | {entry['nodes']} | {measured:,.0f} "
             f"| {entry['own_cores']:,.0f} ({measured / entry['own_cores'] - 1:+.0%}) "
             f"| {entry['shared_cores']:,.0f} ({measured / entry['shared_cores'] - 1:+.0%}) "
             f"| {entry['cpu']:,.0f} | {'-' if daemons is None else format(1e6 * daemons, '.1f')} "
-            f"| {entry['bytes_pulled_per_sample']:.0f} "
+            f"| {busy:.2f} | {entry['bytes_pulled_per_sample']:.0f} "
             f"| {entry['bytes_pushed_per_sample']:.0f} |"
         )
     return "\n".join(lines)

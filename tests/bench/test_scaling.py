@@ -157,8 +157,9 @@ def test_the_command_prints_inputs_check_and_predictions(
     nodes_row = next(
         line for line in out.splitlines() if line.startswith("| `psrec-ray-2x2-nodes` | 2 | 28,000 |")
     )
-    assert "| 19,000 | 4.2 | 901 | 950 |" in nodes_row  # CPU-s, raylets' us/smp, bytes
-    assert "| `psrec-ray-2x2` | 1 | 30,000 |" in out and "| 20,000 | - | 900 | 950 |" in out
+    # CPU-s; raylets' us/smp; cores busy: 28,000 x (1 / 19,000 + 4.25e-6) = 1.474 + 0.119; bytes
+    assert "| 19,000 | 4.2 | 1.59 | 901 | 950 |" in nodes_row
+    assert "| `psrec-ray-2x2` | 1 | 30,000 |" in out and "| 20,000 | - | 1.50 | 900 | 950 |" in out
     assert "| layout N x M | 10 Gb/s | 100 Gb/s | 10 Gb/s, rpc queued | 100 Gb/s, rpc queued |" in out
     assert "| 128 x 32 |" in out
 
