@@ -3,7 +3,7 @@
 Runs the quickstart model (DLRM, 1 trainer + 2 shards, sync) four ways and prints one table:
 
 1. embedded: the embedded loopback cluster, data and run directory on local disk;
-2. cluster + store: a 3-node cluster (`tests/multinode.py`: one `ray start` process group per node,
+2. cluster + store: a 3-node cluster (`psrec.bench.local_cluster`: one `ray start` process group per node,
    all on 127.0.0.1), data and run directory on an S3-compatible store (moto's server, started here
    on 127.0.0.1);
 3. node loss: as 2, and a worker node holding a shard is SIGKILLed (its raylet and every actor on
@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.multinode
-
+from psrec.bench.local_cluster import LocalRayCluster
 from psrec.config import load_config
 from psrec.data.synth import criteo_schema, write_synthetic_criteo
 from psrec.storage import StoragePath
@@ -39,7 +38,6 @@ from psrec.train.cluster import token_path, write_private_token
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
-from tests.multinode import LocalRayCluster
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "bench",

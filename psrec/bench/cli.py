@@ -3,6 +3,7 @@
     psrec bench --dim 64 --rounds 3                        # the table (a b c d e)
     psrec bench --systems a,c --steps 6 --profile          # psrec's per-phase breakdown
     psrec bench --systems psrec-ray-1x1,d,psrec-ray-2x2    # the layouts of docs/scaling.md
+    psrec bench --systems psrec-ray-2x2,psrec-ray-2x2-nodes --profile   # 2x2 on one Ray node vs two
     psrec bench --json out.json --plot docs/img/throughput.png --plot-add dim16.json
     psrec bench --report out.json --profile                # print a saved report again
     psrec bench --multi-hot 8:50:variable --rows 65536     # + 8 bag features, 0-100 ids each (mean 50)
@@ -12,7 +13,8 @@ Systems: a pytorch + pytorch-bf16, b torchrec + torchrec-bf16, c psrec + psrec-b
 e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wise Adagrad, as psrec
 and TorchRec), torchrec-fp16rows (fp16 tables, beside psrec-fp16rows), psrec-bf16-compile +
 ceiling-bf16-compile (torch.compile of the dense model, `training.compile`), psrec-ray-1x1,
-psrec-ray-2x2, psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
+psrec-ray-2x2, psrec-ray-2x2-nodes (the 2x2 layout on a local cluster of two Ray nodes, one trainer
+and one shard on each: `psrec.bench.local_cluster`), psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
 `populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,
@@ -286,4 +288,10 @@ def format_profile(report: dict[str, Any]) -> str:
             f"{row['system']:20s} {cells} {row['bytes_pulled_per_sample']:9.0f} {row['bytes_pushed_per_sample']:9.0f} "
             f"{_number(row.get('seconds_to_first_step'), '10.2f')}"
         )
+    spanning = [row for row in rows if row.get("placement", {}).get("nodes_alive", 1) > 1]
+    if spanning:
+        from psrec.train.placement import describe
+
+        lines.append("")
+        lines += [f"{row['system']}: {describe(row['placement'])}" for row in spanning]
     return "\n".join(lines)

@@ -230,6 +230,14 @@ _SYSTEMS = [
         partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", num_trainers=2, trainer_threads=1)),
     ),
     System(
+        "psrec-ray-2x2-nodes",
+        "psrec Ray 2 trainers + 2 shards on 2 Ray nodes (one of each per node)",
+        partial(
+            psrec_systems.run_psrec,
+            layout=PsrecLayout("ray", num_trainers=2, trainer_threads=1, nodes=2),
+        ),
+    ),
+    System(
         "psrec-ray-t1",
         "psrec Ray 1x2, trainer 1 thread",
         partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", trainer_threads=1)),
@@ -511,6 +519,9 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             row["profile"] = step_profile(last)
             for key in ("bytes_pulled_per_sample", "bytes_pushed_per_sample", "num_trainers", "num_shards"):
                 row[key] = last[key]
+            for key in ("placement", "ray_daemons_cpu_seconds_per_sample"):
+                if key in last:
+                    row[key] = last[key]
             starts = [float(r["seconds_to_first_step"]) for r in mine if r.get("seconds_to_first_step")]
             row["seconds_to_first_step"] = _median(starts)
         rows.append(row)

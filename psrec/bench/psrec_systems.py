@@ -16,7 +16,12 @@ from rows already in memory (decoded and hashed), as the baselines do; batching 
 run in the timed steps.
 
 Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits on 2 cores) and
-measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled).
+measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled). A layout
+with `nodes` > 1 starts a local cluster of that many Ray nodes instead (`psrec.bench.local_cluster`,
+2 logical CPUs each), joins it as `psrec train` joins `ps.address`, and spreads the trainers and the
+shards evenly over the nodes: every node offers ceil(N / nodes) units of `TRAINER_RESOURCE` and
+ceil(M / nodes) of `SHARD_RESOURCE`, which `ps.placement` pins each kind of actor to. The result's
+`placement` is the run's placement report (which node each actor ran on).
 `seconds_to_first_step` is the run's time from the `train()` call to the end of its first step
 (`summary.json`'s ``startup``): for Ray runs, the actors' start without the cluster's own.
 
@@ -27,11 +32,14 @@ GPU per trainer), which stay on the CPU; the result's ``device`` says which (`ps
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +60,18 @@ from psrec.data.synth import CRITEO_SPARSE
 logger = logging.getLogger(__name__)
 
 ACTOR_NAMES = ("ray::ShardActor", "ray::TrainerWorker")
+# Ray's own processes (executable names): objects move between nodes through the raylets.
+RAY_DAEMONS = ("raylet", "gcs_server")
+# Custom resources every node of a multi-node bench cluster offers; `ps.placement` pins actors to them.
+TRAINER_RESOURCE = "psrec_trainer"
+SHARD_RESOURCE = "psrec_shard"
+CPUS_PER_NODE = 2
+SPREAD_OVER_NODES = {
+    "shards": "spread",
+    "trainers": "spread",
+    "shard_node_resource": SHARD_RESOURCE,
+    "trainer_node_resource": TRAINER_RESOURCE,
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +85,14 @@ class PsrecLayout:
     trainer_threads: int | None = None  # None: the workload's thread count
     shard_threads: int = 1
     omp_passive: bool = False  # Ray runs only: the actors get OMP_WAIT_POLICY=PASSIVE
+    nodes: int = 1  # Ray runs only: > 1 runs on a local cluster of that many nodes, actors spread
+
+    def node_resources(self) -> dict[str, float]:
+        """The custom resources each node of a multi-node layout offers (trainers and shards evenly)."""
+        return {
+            TRAINER_RESOURCE: float(math.ceil(self.num_trainers / self.nodes)),
+            SHARD_RESOURCE: float(math.ceil(self.num_shards / self.nodes)),
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,11 +123,14 @@ def bench_config(
     options: PsrecOptions | None = None,
     *,
     sources: dict[str, Any] | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
     """The psrec run config (a plain dict for `parse_config`) of this workload (see `PsrecOptions`).
 
     The Criteo-shaped workload reads `data.synthetic` (as `psrec train` generates it); a multi-hot
-    one reads `sources` (`prepare_sources`) with the schema of `bench_schema`.
+    one reads `sources` (`prepare_sources`) with the schema of `bench_schema`. `address`: the Ray
+    cluster to join (`ps.address`); a layout on several nodes also gets the `ps.placement` that
+    spreads trainers and shards over them.
     """
     options = options or PsrecOptions()
     if workload.multi_hot_features:
@@ -170,6 +201,8 @@ def bench_config(
             "wire_precision": options.wire_precision,
             "trainer_resources": {"num_cpus": 1, "threads": trainer_threads, **gpus},
             "shard_resources": {"num_cpus": 0.5, "threads": layout.shard_threads},
+            "address": address,
+            **({"placement": SPREAD_OVER_NODES} if layout.nodes > 1 else {}),
         },
         "checkpoint": {"enabled": False},
     }
@@ -197,7 +230,8 @@ class ProgressClock:
     `clock` and `cpu` are taken when the report arrives, less the time and CPU this callback spent on
     earlier reports (reading the actors' CPU time scans /proc), so that the bench's bookkeeping is
     not charged to psrec while all of the driver's own work is. `cpu` adds the psrec actors' CPU
-    seconds when `actors` is set (Ray runs).
+    seconds when `actors` is set (Ray runs); `ray_daemons_cpu` is then the CPU seconds of Ray's own
+    processes under this one (raylets and GCS: not in `cpu`, as Ray's share of the machine).
     """
 
     def __init__(self, *, actors: bool = False) -> None:
@@ -209,9 +243,10 @@ class ProgressClock:
     def __call__(self, report: dict[str, Any]) -> None:
         arrived, cpu = time.perf_counter(), time.process_time()
         actors = sum(process_cpu_seconds(pid) for pid in _actor_pids()) if self.actors else 0.0
-        self.reports.append(
-            {**report, "clock": arrived - self._own_seconds, "cpu": cpu + actors - self._own_cpu}
-        )
+        stamps = {"clock": arrived - self._own_seconds, "cpu": cpu + actors - self._own_cpu}
+        if self.actors:
+            stamps["ray_daemons_cpu"] = sum(process_cpu_seconds(pid) for pid in _ray_daemon_pids())
+        self.reports.append({**report, **stamps})
         self._own_seconds += time.perf_counter() - arrived
         self._own_cpu += time.process_time() - cpu
 
@@ -248,6 +283,10 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int
     else:
         cpu_samples, cpu = timed[-1]["samples"] - start["samples"], timed[-1]["cpu"] - start["cpu"]
     samples, seconds = timed[-1]["samples"] - start["samples"], timed[-1]["clock"] - start["clock"]
+    daemons: dict[str, float] = {}
+    if start.get("ray_daemons_cpu") is not None and "ray_daemons_cpu" in timed[-1]:
+        daemon_seconds = timed[-1]["ray_daemons_cpu"] - start["ray_daemons_cpu"]
+        daemons["ray_daemons_cpu_seconds_per_sample"] = daemon_seconds / max(samples, 1)
     phases: dict[str, float] = timed[-1].get("phase_seconds", {})
     before: dict[str, float] = start.get("phase_seconds", {})
     window = [start, *(timed[1:] if start is timed[0] else timed)]
@@ -264,11 +303,22 @@ def _timed_rate(reports: list[dict[str, Any]], has_warmup: bool, from_epoch: int
         "timed_samples": samples,
         "timed_steps": timed[-1]["step"] - start["step"],
         "timed_phase_seconds": {phase: value - before.get(phase, 0.0) for phase, value in phases.items()},
+        **daemons,
     }
 
 
 def _actor_pids() -> list[int]:
     """psrec actor processes started under this process (other jobs' Ray clusters are not counted)."""
+    return _processes_under_me(lambda title: title.startswith(ACTOR_NAMES))
+
+
+def _ray_daemon_pids() -> list[int]:
+    """The raylets and GCS of the Ray cluster this process started (embedded or local multi-node)."""
+    return _processes_under_me(lambda title: Path(title).name in RAY_DAEMONS)
+
+
+def _processes_under_me(wanted: Callable[[str], bool]) -> list[int]:
+    """Descendants of this process whose command's first word passes `wanted`."""
     parents: dict[int, int] = {}
     titles: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
@@ -293,7 +343,7 @@ def _actor_pids() -> list[int]:
                 return False
         return False
 
-    return [pid for pid, title in titles.items() if title.startswith(ACTOR_NAMES) and mine(pid)]
+    return [pid for pid, title in titles.items() if wanted(title) and mine(pid)]
 
 
 class _ActorRssPoller:
@@ -334,7 +384,6 @@ def run_psrec(
     Defaults: the in-process runtime with 2 shards (`PsrecLayout()`), fp32 throughout (`PsrecOptions()`).
     """
     from psrec.config import parse_config
-    from psrec.train.cluster import start_ray
     from psrec.train.loop import train
 
     layout = layout or PsrecLayout()
@@ -344,26 +393,23 @@ def run_psrec(
     progress = ProgressClock(actors=runtime == "ray")
 
     with tempfile.TemporaryDirectory(prefix="psrec-bench-") as tmp:
-        config = parse_config(
-            bench_config(workload, str(Path(tmp) / "run"), layout, options, sources=sources), source="<bench>"
-        )
+        run_dir = str(Path(tmp) / "run")
         if runtime == "ray":
-            import ray
-
-            owns_ray = not ray.is_initialized()  # tests bring their own cluster
-            if owns_ray:  # the embedded cluster as `psrec train` starts it: loopback only, token auth
-                start_ray(None, num_cpus=4, log_to_driver=False, omp_passive=layout.omp_passive)
-            started = time.perf_counter()
-            try:
+            with _ray_cluster(layout, Path(tmp) / "cluster") as address:
+                config = parse_config(
+                    bench_config(workload, run_dir, layout, options, sources=sources, address=address),
+                    source="<bench>",
+                )
+                started = time.perf_counter()
                 with _ActorRssPoller() as poller:
                     summary = train(config, progress=progress, resume=False)
                     poller.poll()
-            finally:
-                if owns_ray:
-                    ray.shutdown()
             actors_rss = sum(poller.peaks.values())
             logger.debug("ray run took %.1f s", time.perf_counter() - started)
         else:
+            config = parse_config(
+                bench_config(workload, run_dir, layout, options, sources=sources), source="<bench>"
+            )
             summary = train(config, progress=progress, resume=False)
             actors_rss = 0
     result: dict[str, Any] = _timed_rate(
@@ -384,4 +430,56 @@ def run_psrec(
         # from the train() call; a Ray system's cluster is up before it (started above)
         seconds_to_first_step=summary["startup"]["seconds_from_train_call"],
     )
+    if summary.get("placement"):
+        result["placement"] = summary["placement"]
     return result
+
+
+@contextlib.contextmanager
+def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
+    """Ray for a run of `layout`; yields the address to join (None: this process is connected already).
+
+    One node: the embedded cluster as `psrec train` starts it (loopback only, token auth), unless
+    this process is connected to a cluster already (tests bring their own). Several nodes: a
+    `LocalRayCluster` under `root`, joined as `psrec train` joins `ps.address`, stopped afterwards.
+    """
+    import ray
+
+    from psrec.train.cluster import start_ray
+
+    if layout.nodes == 1:
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            start_ray(None, num_cpus=4, log_to_driver=False, omp_passive=layout.omp_passive)
+        try:
+            yield None
+        finally:
+            if owns_ray:
+                ray.shutdown()
+        return
+    if ray.is_initialized():
+        raise RuntimeError(
+            f"a layout on {layout.nodes} nodes starts its own cluster: call ray.shutdown() first"
+        )
+    from psrec.bench.local_cluster import LocalRayCluster
+    from psrec.train.cluster import token_path, write_private_token
+
+    token = token_path() or root / "auth_token"  # the token this process authenticates with
+    write_private_token(token)
+    cluster = LocalRayCluster(
+        root, nodes_wanted=layout.nodes, cpus=CPUS_PER_NODE, resources=layout.node_resources(), token=token
+    )
+    saved = {name: os.environ.get(name) for name in cluster.client_environment()}
+    try:
+        cluster.start()
+        os.environ.update(cluster.client_environment())
+        start_ray(cluster.address, log_to_driver=False, omp_passive=layout.omp_passive)
+        yield cluster.address
+    finally:
+        ray.shutdown()
+        cluster.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -123,3 +123,72 @@ def test_the_bench_starts_ray_as_psrec_train_does_on_loopback_only(
     assert seen["_node_ip_address"] == "127.0.0.1"
     assert seen["single_machine"] is True  # else Ray swaps 127.0.0.1 for the host's address
     assert seen["auth"] == "token"
+
+
+def test_a_layout_on_several_nodes_spreads_trainers_and_shards_by_node_resources() -> None:
+    from psrec.bench.psrec_systems import SHARD_RESOURCE, TRAINER_RESOURCE, PsrecLayout, bench_config
+    from psrec.config import parse_config
+    from tests.bench.test_bench import tiny_workload
+
+    layout = PsrecLayout("ray", num_trainers=3, num_shards=2, nodes=2)
+    # 3 trainers on 2 nodes: 2 units per node; 2 shards: 1 per node
+    assert layout.node_resources() == {TRAINER_RESOURCE: 2.0, SHARD_RESOURCE: 1.0}
+    workload = tiny_workload(Path("/nonexistent"))
+    config = parse_config(bench_config(workload, "run", layout, address="127.0.0.1:6379"), source="<test>")
+    assert config.ps.address == "127.0.0.1:6379"
+    placement = config.ps.placement
+    assert (placement.shards, placement.trainers) == ("spread", "spread")
+    assert (placement.shard_node_resource, placement.trainer_node_resource) == (
+        SHARD_RESOURCE,
+        TRAINER_RESOURCE,
+    )
+    one_node = parse_config(bench_config(workload, "run", PsrecLayout("ray")), source="<test>")
+    assert one_node.ps.address is None and one_node.ps.placement.shard_node_resource is None
+
+
+def test_the_profile_names_the_nodes_of_a_layout_that_spans_them() -> None:
+    from psrec.bench.cli import format_profile
+
+    profile = {"total": 10.0}
+    placement = {
+        "nodes_alive": 2,
+        "nodes_used": 2,
+        "shards": [{"index": 0, "node_ip": "127.0.0.1", "node_id": "aaaaaaaaaa"}],
+        "trainers": [{"index": 0, "node_ip": "127.0.0.1", "node_id": "bbbbbbbbbb"}],
+    }
+    row = {"system": "psrec-ray-2x2-nodes", "profile": profile, "placement": placement}
+    row.update(bytes_pulled_per_sample=1.0, bytes_pushed_per_sample=1.0)
+    text = format_profile({"rows": [row]})
+    assert (
+        "psrec-ray-2x2-nodes: placement on 2 of 2 nodes: 127.0.0.1/aaaaaaaa: shard 0; 127.0.0.1/bbbbbbbb: trainer 0"
+        in text
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_the_two_node_layout_runs_one_trainer_and_one_shard_on_each_node(tmp_path: Path) -> None:
+    """`psrec-ray-2x2-nodes` starts its own two-node cluster (about 30 s here), trains, stops it."""
+    import ray
+
+    from psrec.bench.harness import run_system
+    from tests.bench.test_bench import tiny_workload
+
+    if ray.is_initialized():
+        ray.shutdown()
+    result = run_system("psrec-ray-2x2-nodes", tiny_workload(tmp_path / "cache"), {})
+    assert "error" not in result, result.get("error")
+    placement = result["placement"]
+    assert placement["nodes_alive"] == 2 and placement["nodes_used"] == 2
+    assert placement["trainer_nodes"] == 2 and placement["shard_nodes"] == 2
+    assert result["samples_per_second"] > 0 and result["samples_per_cpu_second"] > 0
+    assert result["bytes_pulled_per_sample"] > 0 and result["bytes_pushed_per_sample"] > 0
+    assert not ray.is_initialized()
+
+
+def test_timed_rate_gives_ray_daemons_cpu_per_timed_sample() -> None:
+    points = reports([(0, 100, 1.0, 10.0, 1.0), (0, 300, 3.0, 12.0, 3.0)])
+    points[0]["ray_daemons_cpu"], points[1]["ray_daemons_cpu"] = 5.0, 5.5
+    timed = _timed_rate(points, has_warmup=True)
+    assert timed["ray_daemons_cpu_seconds_per_sample"] == pytest.approx(0.5 / 200)
+    assert "ray_daemons_cpu_seconds_per_sample" not in _timed_rate(reports([(0, 100, 1.0, 10.0, 1.0)]), True)

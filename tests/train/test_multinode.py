@@ -1,4 +1,4 @@
-"""psrec on a Ray cluster of three nodes (`tests/multinode.py`), with data and run directory on an
+"""psrec on a Ray cluster of three nodes (`psrec/bench/local_cluster.py`), with data and run directory on an
 S3-compatible store (moto on 127.0.0.1): shards spread over the nodes, a whole node lost mid-run,
 a shard killed, the driver killed and the run resumed from the store.
 
@@ -25,10 +25,10 @@ import pytest
 import torch
 import yaml
 
+from psrec.bench.local_cluster import LocalRayCluster
 from psrec.storage import StorageError, StoragePath
 from psrec.train.loop import train
 from tests.conftest import small_run_config
-from tests.multinode import LocalRayCluster
 from tests.train.test_object_store_run import _upload
 
 pytestmark = pytest.mark.ray
