@@ -3,11 +3,19 @@
 Shard and trainer processes share cores; left at their defaults, each library starts a thread per
 core and their OpenMP waiters spin on each other. Every process psrec starts calls `set_thread_counts`
 first.
+
+`PARALLEL_LAUNCH` serialises the launches of numba's parallel kernels (the bag pooling, the
+embedding tables' batch kernels): numba's workqueue threading layer, the one it falls back to where
+neither OpenMP nor TBB loads, aborts the process when two Python threads launch parallel kernels at
+once. With OpenMP or TBB the lock costs an uncontended acquire.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+
+PARALLEL_LAUNCH = threading.Lock()
 
 
 def set_thread_counts(threads: int) -> None:

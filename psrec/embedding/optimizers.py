@@ -18,11 +18,16 @@ then applies one of these per-row updates in a numba kernel (float32 math, ``g``
 Weights are addressed through ``weight_rows`` and optimizer state through ``state_rows``, so the same
 kernel updates fp32 storage in place or a dequantised fp32 scratch of low-precision rows. The same
 pass records each row's metadata ``[count, last step]`` and prefetches the rows ``PREFETCH_DISTANCE``
-ahead (the update is bound by memory latency: every touched row is a cache miss).
+ahead (the update is bound by memory latency: every touched row is a cache miss). Rows are unique,
+so ``adagrad`` and ``rowwise_adagrad`` batches of at least ``PARALLEL_MIN_VALUES`` values update
+chunks of rows on numba's threads, each row with the same math as on one thread (identical results);
+the NaN/Inf check of large gradient arrays runs in parallel too.
 ``psrec.embedding.reference`` holds the NumPy oracles.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numba
 import numpy as np
@@ -30,6 +35,7 @@ import numpy as np
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.prefetch import prefetch, prefetch_row
 from psrec.embedding.specs import SparseOptimizerSpec
+from psrec.threads import PARALLEL_LAUNCH
 
 # Names of the state arrays each optimizer keeps, with their shape kind ("element" = (rows, dim),
 # "row" = (rows,)) and dtype.
@@ -47,6 +53,10 @@ STATE_LAYOUT: dict[str, list[tuple[str, str, type]]] = {
 
 
 PREFETCH_DISTANCE = 16
+# Batches of at least this many values (rows x dim) run the parallel kernels, in chunks of
+# PARALLEL_CHUNK rows; smaller ones stay on the calling thread, where a launch costs more than it saves.
+PARALLEL_MIN_VALUES = 1 << 16
+PARALLEL_CHUNK = 512
 REDUCTION_MATH = {"reassoc", "contract"}  # lets LLVM vectorise sums; results differ in the last bits
 
 
@@ -58,6 +68,31 @@ def _all_finite_kernel(bits):  # pragma: no cover - numba
     for k in range(bits.shape[0]):
         bad |= np.uint32((bits[k] & exponent) == exponent)
     return bad == 0
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _all_finite_parallel(bits):  # pragma: no cover - numba
+    """`_all_finite_kernel` over chunks on numba's threads."""
+    count = bits.shape[0]
+    chunk = PARALLEL_MIN_VALUES
+    bad = 0
+    for c in numba.prange((count + chunk - 1) // chunk):
+        bad += np.int64(not _all_finite_kernel(bits[c * chunk : min(count, (c + 1) * chunk)]))
+    return bad == 0
+
+
+def _parallel(values: int) -> bool:
+    """Whether a batch of `values` floats runs the parallel kernels (see PARALLEL_MIN_VALUES)."""
+    return values >= PARALLEL_MIN_VALUES and numba.get_num_threads() > 1
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """True when no value of the C-contiguous float32 array is NaN or Inf."""
+    bits = values.reshape(-1).view(np.uint32)
+    if _parallel(bits.shape[0]):
+        with PARALLEL_LAUNCH:
+            return bool(_all_finite_parallel(bits))
+    return bool(_all_finite_kernel(bits))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -117,7 +152,7 @@ def aggregate_gradients(
     Returns (unique rows (k,), gradient array, gradient row of each unique row (k,), occurrences (k,),
     all gradients finite). Without duplicates the caller's ``grads`` is returned as is (no copy).
     """
-    if not _all_finite_kernel(grads.reshape(-1).view(np.uint32)):
+    if not all_finite(grads):
         empty = np.zeros(0, dtype=np.int32)
         return empty, grads, empty, empty, False
     count = rows.shape[0]
@@ -159,6 +194,38 @@ def _sgd_kernel(
             w[j] -= lr * (g[j] + weight_decay * w[j])
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _adagrad_rows(
+    start,
+    stop,
+    weights,
+    weight_rows,
+    state_rows,
+    grads,
+    grad_rows,
+    metadata,
+    occurrences,
+    clock,
+    accumulator,
+    lr,
+    eps,
+    weight_decay,
+):  # pragma: no cover - numba
+    for i in range(start, stop):
+        if i + PREFETCH_DISTANCE < stop:
+            prefetch_row(weights, weight_rows[i + PREFETCH_DISTANCE])
+            prefetch(metadata, state_rows[i + PREFETCH_DISTANCE])
+            prefetch_row(accumulator, state_rows[i + PREFETCH_DISTANCE])
+        _record(metadata, state_rows[i], occurrences[i], clock)
+        w = weights[weight_rows[i]]
+        a = accumulator[state_rows[i]]
+        g = grads[grad_rows[i]]
+        for j in range(w.shape[0]):
+            gradient = g[j] + weight_decay * w[j]
+            a[j] += gradient * gradient
+            w[j] -= lr * gradient / (np.sqrt(a[j]) + eps)
+
+
 @numba.njit(cache=True, nogil=True)
 def _adagrad_kernel(
     weights,
@@ -174,20 +241,66 @@ def _adagrad_kernel(
     eps,
     weight_decay,
 ):  # pragma: no cover - numba
+    _adagrad_rows(0, weight_rows.shape[0], weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _adagrad_parallel(
+    weights,
+    weight_rows,
+    state_rows,
+    grads,
+    grad_rows,
+    metadata,
+    occurrences,
+    clock,
+    accumulator,
+    lr,
+    eps,
+    weight_decay,
+):  # pragma: no cover - numba
     count = weight_rows.shape[0]
-    for i in range(count):
-        if i + PREFETCH_DISTANCE < count:
+    for chunk in numba.prange((count + PARALLEL_CHUNK - 1) // PARALLEL_CHUNK):
+        start = chunk * PARALLEL_CHUNK
+        _adagrad_rows(start, min(count, start + PARALLEL_CHUNK), weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=REDUCTION_MATH, inline="always")
+def _rowwise_adagrad_rows(
+    start,
+    stop,
+    weights,
+    weight_rows,
+    state_rows,
+    grads,
+    grad_rows,
+    metadata,
+    occurrences,
+    clock,
+    accumulator,
+    lr,
+    eps,
+    weight_decay,
+):  # pragma: no cover - numba
+    dim = weights.shape[1]
+    inverse_dim = np.float32(1.0 / dim)
+    for i in range(start, stop):
+        if i + PREFETCH_DISTANCE < stop:
             prefetch_row(weights, weight_rows[i + PREFETCH_DISTANCE])
             prefetch(metadata, state_rows[i + PREFETCH_DISTANCE])
-            prefetch_row(accumulator, state_rows[i + PREFETCH_DISTANCE])
+            prefetch(accumulator, state_rows[i + PREFETCH_DISTANCE])
         _record(metadata, state_rows[i], occurrences[i], clock)
         w = weights[weight_rows[i]]
-        a = accumulator[state_rows[i]]
         g = grads[grad_rows[i]]
-        for j in range(w.shape[0]):
+        square_sum = np.float32(0.0)
+        for j in range(dim):
             gradient = g[j] + weight_decay * w[j]
-            a[j] += gradient * gradient
-            w[j] -= lr * gradient / (np.sqrt(a[j]) + eps)
+            square_sum += gradient * gradient
+        row = state_rows[i]
+        accumulator[row] += square_sum * inverse_dim
+        step = lr / (np.sqrt(accumulator[row]) + eps)
+        for j in range(dim):
+            w[j] -= step * (g[j] + weight_decay * w[j])
 
 
 @numba.njit(cache=True, nogil=True, fastmath=REDUCTION_MATH)
@@ -205,26 +318,28 @@ def _rowwise_adagrad_kernel(
     eps,
     weight_decay,
 ):  # pragma: no cover - numba
+    _rowwise_adagrad_rows(0, weight_rows.shape[0], weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+
+
+@numba.njit(cache=True, nogil=True, fastmath=REDUCTION_MATH, parallel=True)
+def _rowwise_adagrad_parallel(
+    weights,
+    weight_rows,
+    state_rows,
+    grads,
+    grad_rows,
+    metadata,
+    occurrences,
+    clock,
+    accumulator,
+    lr,
+    eps,
+    weight_decay,
+):  # pragma: no cover - numba
     count = weight_rows.shape[0]
-    dim = weights.shape[1]
-    inverse_dim = np.float32(1.0 / dim)
-    for i in range(count):
-        if i + PREFETCH_DISTANCE < count:
-            prefetch_row(weights, weight_rows[i + PREFETCH_DISTANCE])
-            prefetch(metadata, state_rows[i + PREFETCH_DISTANCE])
-            prefetch(accumulator, state_rows[i + PREFETCH_DISTANCE])
-        _record(metadata, state_rows[i], occurrences[i], clock)
-        w = weights[weight_rows[i]]
-        g = grads[grad_rows[i]]
-        square_sum = np.float32(0.0)
-        for j in range(dim):
-            gradient = g[j] + weight_decay * w[j]
-            square_sum += gradient * gradient
-        row = state_rows[i]
-        accumulator[row] += square_sum * inverse_dim
-        step = lr / (np.sqrt(accumulator[row]) + eps)
-        for j in range(dim):
-            w[j] -= step * (g[j] + weight_decay * w[j])
+    for chunk in numba.prange((count + PARALLEL_CHUNK - 1) // PARALLEL_CHUNK):
+        start = chunk * PARALLEL_CHUNK
+        _rowwise_adagrad_rows(start, min(count, start + PARALLEL_CHUNK), weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -376,32 +491,18 @@ class SparseOptimizer:
         weight_decay = np.float32(spec.weight_decay)
         if spec.name == "sgd":
             _sgd_kernel(weights, weight_rows, state_rows, grads, grad_rows, *record, lr, weight_decay)
-        elif spec.name == "adagrad":
-            _adagrad_kernel(
-                weights,
-                weight_rows,
-                state_rows,
-                grads,
-                grad_rows,
-                *record,
-                self.state["accumulator"],
-                lr,
-                eps,
-                weight_decay,
-            )
-        elif spec.name == "rowwise_adagrad":
-            _rowwise_adagrad_kernel(
-                weights,
-                weight_rows,
-                state_rows,
-                grads,
-                grad_rows,
-                *record,
-                self.state["accumulator"],
-                lr,
-                eps,
-                weight_decay,
-            )
+        elif spec.name in ("adagrad", "rowwise_adagrad"):
+            # Rows are unique, so chunks of them update in parallel with the same per-row math.
+            parallel = _parallel(weight_rows.shape[0] * weights.shape[1])
+            kernel = {
+                ("adagrad", False): _adagrad_kernel,
+                ("adagrad", True): _adagrad_parallel,
+                ("rowwise_adagrad", False): _rowwise_adagrad_kernel,
+                ("rowwise_adagrad", True): _rowwise_adagrad_parallel,
+            }[spec.name, parallel]
+            arguments = (weights, weight_rows, state_rows, grads, grad_rows, *record)
+            with PARALLEL_LAUNCH if parallel else contextlib.nullcontext():
+                kernel(*arguments, self.state["accumulator"], lr, eps, weight_decay)
         elif spec.name == "adam":
             _adam_kernel(
                 weights,

@@ -30,20 +30,17 @@ The oracle is ``nn.EmbeddingBag`` (tests/train/test_bag_pooling.py).
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numba
 import numpy as np
 import torch
 
+from psrec.threads import PARALLEL_LAUNCH
 from psrec.train.pooling import _enclosing_rows, _numpy_bits
 
 MODES = ("sum", "mean")
 _ROW_CHUNK = 1024  # rows per task of the bf16 backward
-# numba's workqueue threading layer (the one left where neither OpenMP nor TBB loads) aborts the
-# process when two Python threads launch parallel kernels at once; launches are serialised.
-_LAUNCH = threading.Lock()
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -228,7 +225,7 @@ class _PoolBags(torch.autograd.Function):
         out = torch.empty(batch, features, rows.shape[1], dtype=dtype)
         bad = np.zeros(batch, dtype=np.uint8)
         kernel = _pool_bfloat16 if dtype == torch.bfloat16 else _pool_float32
-        with _LAUNCH:
+        with PARALLEL_LAUNCH:
             kernel(source, index, offsets, mean, _numpy_bits(out), bad)
         if bad.any():
             sample = int(np.flatnonzero(bad)[0])
@@ -244,7 +241,7 @@ class _PoolBags(torch.autograd.Function):
         row_starts, owners = ctx.transposed or transpose_bags(ctx.index, ctx.offsets, ctx.num_rows)
         out = torch.empty(ctx.num_rows, grad.shape[2], dtype=torch.float32)  # every row is written
         whole, first = _enclosing_rows(grad.detach())
-        with _LAUNCH:
+        with PARALLEL_LAUNCH:
             if whole.dtype == torch.bfloat16:
                 bits = whole.view(torch.int16).numpy().view(np.uint16)
                 _gather_gradients_bf16(out.numpy(), row_starts, owners, ctx.offsets, bits, first, ctx.mean)
