@@ -77,7 +77,8 @@ def _all_finite_parallel(bits):  # pragma: no cover - numba
     chunk = PARALLEL_MIN_VALUES
     bad = 0
     for c in numba.prange((count + chunk - 1) // chunk):
-        bad += np.int64(not _all_finite_kernel(bits[c * chunk : min(count, (c + 1) * chunk)]))
+        if not _all_finite_kernel(bits[c * chunk : min(count, (c + 1) * chunk)]):
+            bad += 1
     return bad == 0
 
 
@@ -241,7 +242,22 @@ def _adagrad_kernel(
     eps,
     weight_decay,
 ):  # pragma: no cover - numba
-    _adagrad_rows(0, weight_rows.shape[0], weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+    _adagrad_rows(
+        0,
+        weight_rows.shape[0],
+        weights,
+        weight_rows,
+        state_rows,
+        grads,
+        grad_rows,
+        metadata,
+        occurrences,
+        clock,
+        accumulator,
+        lr,
+        eps,
+        weight_decay,
+    )
 
 
 @numba.njit(cache=True, nogil=True, parallel=True)
@@ -262,7 +278,22 @@ def _adagrad_parallel(
     count = weight_rows.shape[0]
     for chunk in numba.prange((count + PARALLEL_CHUNK - 1) // PARALLEL_CHUNK):
         start = chunk * PARALLEL_CHUNK
-        _adagrad_rows(start, min(count, start + PARALLEL_CHUNK), weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+        _adagrad_rows(
+            start,
+            min(count, start + PARALLEL_CHUNK),
+            weights,
+            weight_rows,
+            state_rows,
+            grads,
+            grad_rows,
+            metadata,
+            occurrences,
+            clock,
+            accumulator,
+            lr,
+            eps,
+            weight_decay,
+        )
 
 
 @numba.njit(cache=True, nogil=True, fastmath=REDUCTION_MATH, inline="always")
@@ -318,7 +349,22 @@ def _rowwise_adagrad_kernel(
     eps,
     weight_decay,
 ):  # pragma: no cover - numba
-    _rowwise_adagrad_rows(0, weight_rows.shape[0], weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+    _rowwise_adagrad_rows(
+        0,
+        weight_rows.shape[0],
+        weights,
+        weight_rows,
+        state_rows,
+        grads,
+        grad_rows,
+        metadata,
+        occurrences,
+        clock,
+        accumulator,
+        lr,
+        eps,
+        weight_decay,
+    )
 
 
 @numba.njit(cache=True, nogil=True, fastmath=REDUCTION_MATH, parallel=True)
@@ -339,7 +385,22 @@ def _rowwise_adagrad_parallel(
     count = weight_rows.shape[0]
     for chunk in numba.prange((count + PARALLEL_CHUNK - 1) // PARALLEL_CHUNK):
         start = chunk * PARALLEL_CHUNK
-        _rowwise_adagrad_rows(start, min(count, start + PARALLEL_CHUNK), weights, weight_rows, state_rows, grads, grad_rows, metadata, occurrences, clock, accumulator, lr, eps, weight_decay)
+        _rowwise_adagrad_rows(
+            start,
+            min(count, start + PARALLEL_CHUNK),
+            weights,
+            weight_rows,
+            state_rows,
+            grads,
+            grad_rows,
+            metadata,
+            occurrences,
+            clock,
+            accumulator,
+            lr,
+            eps,
+            weight_decay,
+        )
 
 
 @numba.njit(cache=True, nogil=True)

@@ -9,9 +9,6 @@ as the random number so results are reproducible and independent of shard and th
   (uint16/uint32 views); ``np.float16`` casts are the oracle in the tests.
 - ``int8``: uint8 codes ``q`` with ``value = q * scale + offset``, ``offset = min(row)``,
   ``scale = (max(row) - min(row)) / 255`` (``scale = 0`` for a constant row): D + 8 bytes per row.
-
-An fp32 gather of at least ``PARALLEL_MIN_VALUES`` values copies chunks of rows on numba's threads
-(the process's thread count, `psrec.threads`); the copy is the same either way.
 """
 
 from __future__ import annotations
@@ -24,12 +21,9 @@ import numpy as np
 from psrec.embedding.arrays import grow_rows
 from psrec.embedding.hashing import GOLDEN_GAMMA, hash_key, mix64, unit_float
 from psrec.embedding.prefetch import prefetch, prefetch_row
-from psrec.threads import PARALLEL_LAUNCH
 
 INT8_LEVELS = 255.0
 PREFETCH_DISTANCE = 16
-PARALLEL_MIN_VALUES = 1 << 16  # fp32 gathers of at least this many values run on numba's threads
-PARALLEL_CHUNK = 512  # rows per task of a parallel gather
 ROUNDING_DOMAIN = 0x5707_0001
 
 
@@ -183,27 +177,15 @@ def _int8_decode_kernel(codes, scales, offsets, rows, out):  # pragma: no cover 
             out[i, j] = np.float32(source[j]) * scale + offset
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def _fp32_gather_rows(storage, rows, out, start, stop):  # pragma: no cover - numba
-    for i in range(start, stop):
-        if i + PREFETCH_DISTANCE < stop:
+@numba.njit(cache=True, nogil=True)
+def _fp32_gather_kernel(storage, rows, out):  # pragma: no cover - numba
+    count = rows.shape[0]
+    for i in range(count):
+        if i + PREFETCH_DISTANCE < count:
             prefetch_row(storage, rows[i + PREFETCH_DISTANCE])
         source = storage[rows[i]]
         for j in range(source.shape[0]):
             out[i, j] = source[j]
-
-
-@numba.njit(cache=True, nogil=True)
-def _fp32_gather_kernel(storage, rows, out):  # pragma: no cover - numba
-    _fp32_gather_rows(storage, rows, out, 0, rows.shape[0])
-
-
-@numba.njit(cache=True, nogil=True, parallel=True)
-def _fp32_gather_parallel(storage, rows, out):  # pragma: no cover - numba
-    count = rows.shape[0]
-    for chunk in numba.prange((count + PARALLEL_CHUNK - 1) // PARALLEL_CHUNK):
-        start = chunk * PARALLEL_CHUNK
-        _fp32_gather_rows(storage, rows, out, start, min(count, start + PARALLEL_CHUNK))
 
 
 class RowStorage:
@@ -239,11 +221,7 @@ class RowStorage:
         if out is None:
             out = np.empty((rows.shape[0], self.dim), dtype=np.float32)
         if self.precision == "fp32":
-            if rows.shape[0] * self.dim >= PARALLEL_MIN_VALUES and numba.get_num_threads() > 1:
-                with PARALLEL_LAUNCH:
-                    _fp32_gather_parallel(self.values, rows, out)
-            else:
-                _fp32_gather_kernel(self.values, rows, out)
+            _fp32_gather_kernel(self.values, rows, out)
         elif self.precision == "fp16":
             _fp16_decode_kernel(self.values.view(np.uint16), rows, out.view(np.uint32))
         else:

@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from psrec.embedding import optimizers, precision
+from psrec.embedding import optimizers
 from psrec.embedding.optimizers import aggregate_gradients, all_finite
 from psrec.embedding.specs import SparseOptimizerSpec
 from psrec.embedding.table import EmbeddingTable
@@ -58,18 +58,6 @@ def test_parallel_update_equals_serial_bitwise(two_threads, serial, parallel, pe
     # rows outside the batch are untouched
     untouched = np.setdiff1d(np.arange(ROWS), args[1])
     assert np.array_equal(results[1][0][untouched], args[0][untouched])
-
-
-def test_parallel_gather_equals_numpy(two_threads):
-    rng = np.random.default_rng(3)
-    storage = precision.RowStorage("fp32", DIM, stochastic_rounding=False, seed=0)
-    storage.grow(ROWS)
-    storage.values[:] = rng.standard_normal((ROWS, DIM)).astype(np.float32)
-    rows = rng.integers(0, ROWS, size=5000).astype(np.int32)  # duplicates allowed in a gather
-    assert rows.shape[0] * DIM >= precision.PARALLEL_MIN_VALUES
-    assert np.array_equal(storage.gather(rows), storage.values[rows])
-    small = rows[:10]
-    assert np.array_equal(storage.gather(small), storage.values[small])
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
