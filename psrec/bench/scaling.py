@@ -335,6 +335,36 @@ def _speeds(text: str) -> list[float]:
     return speeds
 
 
+def scaling_report(
+    reports: list[dict[str, Any]],
+    cores: float,
+    layouts: Sequence[tuple[int, int]],
+    gbps: Sequence[float],
+    queued_gbps: Sequence[float],
+) -> str:
+    """The text `main` prints: the model's inputs, its check against the measured layouts (when the
+    reports hold them) and the cluster predictions."""
+    rows = report_rows(reports)
+    workload = reports[0]["workload"]
+    parameters = dense_parameters(workload)
+    costs = cluster_costs(rows, workload=workload, parameters=parameters)
+    wire = WIRE_SYSTEM if WIRE_SYSTEM in rows else CLUSTER_INPUTS[0]
+    parts = [
+        f"Inputs ({' + '.join(CLUSTER_INPUTS)}; bytes per sample from {wire}):\n",
+        format_inputs(costs) + "\n",
+    ]
+    checked = check(rows, workload=workload, parameters=parameters, cores=cores)
+    if checked:
+        inputs = "; ".join(f"{entry['system']}: {entry['inputs']}" for entry in checked)
+        parts += [
+            f"Check against the measured layouts (model inputs per layout: {inputs}):\n",
+            format_check(checked, cores) + "\n",
+        ]
+    table = prediction_table(costs, list(layouts), list(gbps), list(queued_gbps))
+    parts += ["Predictions, every process on its own cores:\n", format_predictions(table)]
+    return "\n".join(parts)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m psrec.bench.scaling",
@@ -349,21 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     reports = [json.loads(Path(path).read_text()) for path in args.reports]
-    rows = report_rows(reports)
-    workload = reports[0]["workload"]
-    parameters = dense_parameters(workload)
-    costs = cluster_costs(rows, workload=workload, parameters=parameters)
-    wire = WIRE_SYSTEM if WIRE_SYSTEM in rows else CLUSTER_INPUTS[0]
-    print(f"Inputs ({' + '.join(CLUSTER_INPUTS)}; bytes per sample from {wire}):\n")
-    print(format_inputs(costs) + "\n")
-    checked = check(rows, workload=workload, parameters=parameters, cores=args.cores)
-    if checked:
-        inputs = "; ".join(f"{entry['system']}: {entry['inputs']}" for entry in checked)
-        print(f"Check against the measured layouts (model inputs per layout: {inputs}):\n")
-        print(format_check(checked, args.cores) + "\n")
-    table = prediction_table(costs, args.layouts, args.gbps, args.queued_gbps)
-    print("Predictions, every process on its own cores:\n")
-    print(format_predictions(table))
+    print(scaling_report(reports, args.cores, args.layouts, args.gbps, args.queued_gbps))
     return 0
 
 

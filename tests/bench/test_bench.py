@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,7 +27,8 @@ from psrec.bench.psrec_systems import _timed_rate, epoch_steps
 from psrec.bench.workload import Workload
 
 
-def tiny_workload(cache: Path) -> Workload:
+def tiny_workload(cache: Path, **overrides: Any) -> Workload:
+    """A bench workload small enough for a test: a few hundred rows, two timed steps."""
     return Workload(
         dim=16,
         batch_size=256,
@@ -37,6 +39,7 @@ def tiny_workload(cache: Path) -> Workload:
         steps=2,
         threads=1,
         cache_dir=str(cache),
+        **overrides,
     )
 
 

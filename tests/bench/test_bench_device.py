@@ -16,23 +16,9 @@ from psrec.bench.psrec_systems import PsrecLayout, bench_config, psrec_device
 from psrec.bench.workload import Workload
 from psrec.cli import build_parser, main
 from psrec.config import parse_config
+from tests.bench.test_bench import tiny_workload
 
 NO_CUDA = not torch.cuda.is_available()
-
-
-def tiny_workload(cache: Path, device: str = "cpu") -> Workload:
-    return Workload(
-        dim=16,
-        batch_size=256,
-        train_rows=2048,
-        validation_rows=512,
-        cardinality_scale=0.001,
-        warmup_steps=1,
-        steps=2,
-        threads=1,
-        cache_dir=str(cache),
-        device=device,
-    )
 
 
 def test_the_device_option_resolves_to_what_this_machine_has(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,9 +39,9 @@ def test_psrec_systems_train_on_the_workloads_device(tmp_path: Path) -> None:
     cpu = bench_config(tiny_workload(tmp_path), "run", PsrecLayout("ray"))
     assert cpu["training"]["device"] == "cpu" and "num_gpus" not in cpu["ps"]["trainer_resources"]
     many = PsrecLayout("ray", num_trainers=torch.cuda.device_count() + 1)
-    assert psrec_device(tiny_workload(tmp_path, "cuda"), many) == "cpu"  # NCCL: one GPU per trainer
+    assert psrec_device(tiny_workload(tmp_path, device="cuda"), many) == "cpu"  # NCCL: one GPU per trainer
     if not NO_CUDA:
-        gpu = bench_config(tiny_workload(tmp_path, "cuda"), "run", PsrecLayout("ray"))
+        gpu = bench_config(tiny_workload(tmp_path, device="cuda"), "run", PsrecLayout("ray"))
         assert gpu["training"]["device"] == "cuda" and gpu["ps"]["trainer_resources"]["num_gpus"] == 1
         assert parse_config(gpu).training.device == "cuda"
 
@@ -72,7 +58,7 @@ def test_the_report_says_where_each_system_ran(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(NO_CUDA, reason="needs a CUDA device")
 def test_a_gpu_machine_runs_the_bench_on_the_gpu(tmp_path: Path) -> None:
-    workload = tiny_workload(tmp_path / "cache", "cuda")
+    workload = tiny_workload(tmp_path / "cache", device="cuda")
     systems = ["pytorch", "pytorch-rowwise", "ceiling", "psrec", "psrec-bf16"]
     report = run_bench(workload, systems, rounds=1, isolate=False)
     rows = {row["system"]: row for row in report["rows"]}

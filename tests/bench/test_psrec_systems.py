@@ -16,7 +16,6 @@ import pytest
 from psrec.bench import psrec_systems
 from psrec.bench.harness import run_bench
 from psrec.bench.psrec_systems import ProgressClock, _timed_rate
-from psrec.bench.workload import Workload
 
 
 def reports(points: list[tuple[int, int, float, float, float]]) -> list[dict[str, Any]]:
@@ -74,17 +73,9 @@ def test_psrec_timed_window_includes_the_drivers_work_between_chunks(
         write_scalars(*args, **kwargs)
 
     monkeypatch.setattr(psrec.train.loop, "write_scalars", slow_write_scalars)
-    workload = Workload(
-        dim=16,
-        batch_size=256,
-        train_rows=2048,
-        validation_rows=512,
-        cardinality_scale=0.001,
-        warmup_steps=1,
-        steps=2,
-        threads=1,
-        cache_dir=str(tmp_path / "cache"),
-    )
+    from tests.bench.test_bench import tiny_workload
+
+    workload = tiny_workload(tmp_path / "cache")
     (run,) = run_bench(workload, ["psrec"], rounds=1, isolate=False)["runs"]
     assert run["timed_steps"] == 2
     # Two timed chunks of one step, each followed by 0.2 s of driver work before its report.

@@ -23,21 +23,8 @@ from psrec.bench import cli as commands
 from psrec.bench import tf_system
 from psrec.bench.harness import SYSTEMS, reference, run_bench, summarize
 from psrec.bench.tf_dlrm import split_batches
-from psrec.bench.workload import TensorBatch, Workload
-
-
-def tiny_workload(cache: Path) -> Workload:
-    return Workload(
-        dim=16,
-        batch_size=256,
-        train_rows=2048,
-        validation_rows=512,
-        cardinality_scale=0.001,
-        warmup_steps=1,
-        steps=2,
-        threads=1,
-        cache_dir=str(cache),
-    )
+from psrec.bench.workload import TensorBatch
+from tests.bench.test_bench import tiny_workload
 
 
 @pytest.mark.parametrize("name", ["tensorflow", "tensorflow-bf16"])

@@ -22,6 +22,7 @@ from psrec.bench.torch_systems import (
 from psrec.bench.workload import TensorBatch, Workload
 from psrec.embedding.reference import new_state, reference_step
 from psrec.embedding.specs import SparseOptimizerSpec
+from tests.bench.test_bench import tiny_workload
 
 
 def one_hot_batch(*features: list[int]) -> TensorBatch:
@@ -78,20 +79,6 @@ def test_rowwise_adagrad_matches_psrec_reference_step() -> None:
     for row in range(6):
         np.testing.assert_allclose(got[row], expected[row], rtol=1e-5, atol=1e-7)
     assert optimizer.state[bag.weight]["accumulator"].shape == (6,)  # one accumulator per row
-
-
-def tiny_workload(cache: Path) -> Workload:
-    return Workload(
-        dim=16,
-        batch_size=256,
-        train_rows=2048,
-        validation_rows=512,
-        cardinality_scale=0.001,
-        warmup_steps=1,
-        steps=2,
-        threads=1,
-        cache_dir=str(cache),
-    )
 
 
 def test_bf16_and_rowwise_baselines_train(tmp_path: Path) -> None:
