@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -84,3 +85,18 @@ def test_shard_actors_start_without_torch() -> None:
     whose import (and its compiler stack) would cost every shard start seconds."""
     code = "import sys, psrec.ps.actors; assert 'torch' not in sys.modules, 'the shard side imports torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_built_shard_actor_has_not_imported_torch() -> None:
+    """Building the actor (thread counts pinned, kernels warmed) imports no torch either."""
+    code = (
+        "import sys\n"
+        "from psrec.embedding.specs import SparseOptimizerSpec, TableSpec\n"
+        "from psrec.ps.actors import ShardActor\n"
+        "spec = TableSpec('t', 4, SparseOptimizerSpec('rowwise_adagrad'))\n"
+        "actor = ShardActor(0, [spec], num_trainers=1, mode='sync', threads=1)\n"
+        "assert 'torch' not in sys.modules, 'building a shard actor imports torch'\n"
+        "import numba\n"
+        "assert numba.get_num_threads() == 1, numba.get_num_threads()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
