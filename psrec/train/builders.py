@@ -28,6 +28,7 @@ from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
 from psrec.ps.routing import default_bucket_map
+from psrec.train.dense_optimizer import DenseOptimizer
 
 if TYPE_CHECKING:
     from psrec.parallel.placement import Placement
@@ -219,16 +220,13 @@ def training_device(config: RunConfig) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> DenseOptimizer:
+    """torch.optim's Adam / Adagrad / SGD update, without importing torch's compiler (dense_optimizer.py)."""
     spec = config.training.dense_optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    if spec.name == "adam":
-        return torch.optim.Adam(
-            params, lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay
-        )
-    if spec.name == "adagrad":
-        return torch.optim.Adagrad(params, lr=spec.lr, weight_decay=spec.weight_decay)
-    return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+    return DenseOptimizer(
+        params, spec.name, lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay
+    )
 
 
 def feature_tables(config: RunConfig) -> dict[str, str]:

@@ -46,6 +46,7 @@ from psrec.data.batch import Batch
 from psrec.models.base import ModelInput
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper
 from psrec.ps.client import Pending, PullRequest
+from psrec.train.dense_optimizer import DenseOptimizer
 from psrec.train.lookup import BatchLookup, LookupPlan
 from psrec.train.step import PhaseTimer, StepResult
 
@@ -69,7 +70,7 @@ class PipelineStepRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | DenseOptimizer,
         client: BatchLookup,
         *,
         rank: int,

@@ -45,7 +45,7 @@ def paused_gc() -> Iterator[None]:
 
     Start-up imports torch, numba and pyarrow and builds the model: hundreds of thousands of
     long-lived objects, over which every collection of the oldest generation walks again; importing
-    torch and `torch._dynamo` (which every torch optimizer loads) took 2.1-2.2 s with the collector
+    torch and `torch._dynamo` (which `training.compile` loads) took 2.1-2.2 s with the collector
     off against 2.5-2.7 s with it on (docs/benchmarks.md, "Start-up"). Nested blocks leave it to the
     outermost one to turn it back on.
     """

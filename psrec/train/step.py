@@ -60,6 +60,7 @@ from psrec.data.background import BackgroundIterator, InputGate
 from psrec.data.batch import Batch
 from psrec.parallel.allreduce import allreduce_mean_
 from psrec.ps.client import Pending, PulledRows, PullRequest
+from psrec.train.dense_optimizer import DenseOptimizer
 from psrec.train.device import numpy_of, to_device
 from psrec.train.lookup import BatchLookup, LookupPlan
 
@@ -174,7 +175,7 @@ class StepRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | DenseOptimizer,
         client: BatchLookup,
         *,
         world_size: int = 1,

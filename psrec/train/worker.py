@@ -120,7 +120,7 @@ class TrainerWorker:
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
         self.device = builders.training_device(self.config)  # cpu unless training.device says otherwise
-        with paused_gc():  # a torch optimizer imports torch._dynamo (see paused_gc)
+        with paused_gc():  # the model and its optimizer (see paused_gc)
             model = builders.build_model_for(self.config).to(self.device)  # initialised on the CPU
             self.model = builders.maybe_compile(model, self.config)
             self.optimizer = builders.build_dense_optimizer(self.config, self.model)

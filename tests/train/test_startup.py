@@ -96,3 +96,25 @@ def test_psrec_train_starts_its_cluster_while_it_imports(
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["startup"]["seconds_to_first_step"] > 0
+
+
+def test_a_local_run_does_not_import_the_compiler(synthetic_sources: dict[str, Any], tmp_path: Path) -> None:
+    """`psrec train --local` trains without importing `torch._dynamo` (about 0.6 s of start-up): the
+    dense optimizer is psrec's (`psrec.train.dense_optimizer`), and only `training.compile` needs it."""
+    config = small_run_config(
+        synthetic_sources, tmp_path / "run", **{"training.max_steps": 2, "checkpoint.enabled": False}
+    )
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config.model_dump(mode="json", by_alias=True)))
+    script = (
+        "import sys; from psrec.cli import main; code = main(sys.argv[1:]); "
+        "assert 'torch._dynamo' not in sys.modules, 'the run imported torch._dynamo'; sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "train", str(path), "--local", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
