@@ -23,6 +23,11 @@ each one also misses the TLB. Where THP is in ``madvise`` mode (as on the machin
 docs/benchmarks.md), only advised memory gets huge pages; in ``always`` mode the call changes nothing
 and in ``never`` mode it has no effect. Set ``PSREC_HUGE_PAGES=0`` to skip it.
 
+`ReusableBuffers` hands out a step's large scratch arrays (the pulled rows, the pooling gradient)
+from arrays of earlier steps that nothing refers to any more: glibc maps a fresh block above its 32
+MiB threshold for every such array, and the kernel zeroes each page at its first write
+(`clear_page_erms` was 27% of the CPU samples of a 50-id multi-hot bench run).
+
 `populate` backs an array's pages with memory now instead of at their first write. A table that
 reserves rows up front (``expected_rows``) populates them when it is built: otherwise each step that
 inserts rows past a page boundary takes the page fault. On the bench's virtual machine a first
@@ -39,6 +44,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -120,3 +126,52 @@ def _libc() -> ctypes.CDLL | None:
         return libc
     except (OSError, AttributeError):
         return None
+
+
+REUSE_MIN_BYTES = 1 << 20  # smaller arrays come from malloc's free lists anyway
+_SLACK = 1.25  # a new array's spare capacity: later steps need a few more rows than this one
+
+
+class ReusableBuffers:
+    """Scratch arrays reused once nothing outside this pool refers to them.
+
+    ``empty(shape, dtype)`` returns an uninitialised C-contiguous array, a view of a cached one
+    when some cached array is free and large enough, else of a new one (with 25% spare capacity).
+    An array is free when only the pool holds it (CPython's reference count, as NumPy's own
+    ``ndarray.resize`` checks): the view handed out, any view of it and any torch tensor made from
+    it (``torch.from_numpy``) keep it busy, so an array is never handed out twice while in use,
+    whatever the caller keeps. At most `keep` arrays are cached; below ``REUSE_MIN_BYTES`` arrays
+    are plain ``np.empty``.
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        self.keep = keep
+        self._arrays: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.reused = 0
+        self.allocated = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        nbytes = count * dtype.itemsize
+        if nbytes < REUSE_MIN_BYTES:
+            return np.empty(shape, dtype)
+        with self._lock:
+            for index in range(len(self._arrays)):
+                # references: the list's and getrefcount's argument; anything more is a user
+                if self._arrays[index].nbytes >= nbytes and sys.getrefcount(self._arrays[index]) == 2:
+                    self.reused += 1
+                    return self._arrays[index][:nbytes].view(dtype).reshape(shape)
+            fresh = np.empty(int(nbytes * _SLACK), np.uint8)
+            self.allocated += 1
+            self._arrays.append(fresh)
+            if len(self._arrays) > self.keep:
+                self._forget_one()
+            return fresh[:nbytes].view(dtype).reshape(shape)
+
+    def _forget_one(self) -> None:
+        """Drop the smallest free array (a busy one stays with its users and is freed by them)."""
+        free = [i for i in range(len(self._arrays) - 1) if sys.getrefcount(self._arrays[i]) == 2]
+        candidates = free or range(len(self._arrays) - 1)
+        del self._arrays[min(candidates, key=lambda i: self._arrays[i].nbytes)]

@@ -80,3 +80,27 @@ def test_populate_refuses_what_it_cannot_write(monkeypatch: pytest.MonkeyPatch) 
     array.flags.writeable = False
     with pytest.raises(ValueError, match="writeable"):
         allocator.populate(array)
+
+
+def test_reusable_buffers_hand_out_an_array_again_only_once_released() -> None:
+    import numpy as np
+    import torch
+
+    pool = allocator.ReusableBuffers(keep=2)
+    shape = (1024, 300)  # 1.2 MB: above REUSE_MIN_BYTES
+    first = pool.empty(shape, np.float32)
+    first[:] = 1.0
+    second = pool.empty(shape, np.float32)  # the first is still held
+    second[:] = 2.0
+    assert not np.shares_memory(first, second) and (first == 1.0).all()
+    address = first.__array_interface__["data"][0]
+    del first
+    third = pool.empty((1000, 300), np.float32)  # smaller: fits the released array
+    assert third.__array_interface__["data"][0] == address and pool.reused == 1
+    tensor = torch.from_numpy(third[::2])  # a tensor of a view keeps it busy
+    del third
+    fourth = pool.empty(shape, np.float32)
+    assert not np.shares_memory(fourth, tensor.numpy())
+    assert pool.empty((10, 10), np.float64).shape == (10, 10)  # small: plain np.empty, not cached
+    assert len(pool._arrays) <= 2  # keep
+    assert pool.empty((3, 4), np.int64).dtype == np.int64

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from psrec.allocator import ReusableBuffers
 from psrec.ps.routing import Routed, dedup_and_route, route
 from psrec.ps.shard import ParameterShard, TableGradients
 from psrec.ps.wire import check_precision, decode_rows, encode_gradients
@@ -164,6 +165,7 @@ class EmbeddingClient:
         self.wire_precision = wire_precision  # of pushed gradients; shards encode pulled rows (psrec.ps.wire)
         self.bytes_pulled = 0
         self.bytes_pushed = 0
+        self._fused_buffers = ReusableBuffers()  # each pull's fused rows, reused once released
         # Tables with a disk tier: their shards are told each coming training pull's ids (`prefetch`).
         self.prefetch_tables = frozenset(prefetch_tables)
 
@@ -250,7 +252,7 @@ class EmbeddingClient:
         pulled = PullRequest([], routing=routing)
         if routing.fused:
             total = sum(ids.size for ids in routing.unique_ids.values())
-            pulled.fused["rows"] = np.empty(
+            pulled.fused["rows"] = self._fused_buffers.empty(
                 (total, self.table_dims[next(iter(routing.unique_ids))]), np.float32
             )
             if self.linear_terms:

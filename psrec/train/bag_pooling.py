@@ -36,10 +36,12 @@ import numba
 import numpy as np
 import torch
 
+from psrec.allocator import ReusableBuffers
 from psrec.threads import PARALLEL_LAUNCH
 from psrec.train.pooling import _enclosing_rows, _numpy_bits
 
 MODES = ("sum", "mean")
+_GRADIENTS = ReusableBuffers()  # the backward's row gradients (psrec.allocator)
 _ROW_CHUNK = 1024  # rows per task of the bf16 backward
 
 
@@ -239,7 +241,8 @@ class _PoolBags(torch.autograd.Function):
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
         row_starts, owners = ctx.transposed or transpose_bags(ctx.index, ctx.offsets, ctx.num_rows)
-        out = torch.empty(ctx.num_rows, grad.shape[2], dtype=torch.float32)  # every row is written
+        # every row is written; the array is reused once the step's push has released it
+        out = torch.from_numpy(_GRADIENTS.empty((ctx.num_rows, grad.shape[2]), np.float32))
         whole, first = _enclosing_rows(grad.detach())
         with PARALLEL_LAUNCH:
             if whole.dtype == torch.bfloat16:

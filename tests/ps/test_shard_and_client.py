@@ -209,3 +209,38 @@ def test_client_tells_each_shard_its_ids_of_the_disk_tier_tables_only() -> None:
         (told,) = connection.prefetched
         assert list(told) == ["u"]
         np.testing.assert_array_equal(np.sort(told["u"]), np.sort(ids[owners == shard]))
+
+
+def test_fused_pulls_still_held_keep_their_rows_through_later_pulls() -> None:
+    """Each fused pull's buffer comes from arrays of earlier pulls once those are released
+    (psrec.allocator.ReusableBuffers): rows a caller still holds keep their values."""
+    dim, batch = 64, 4096  # 4096 x 2 x 64 float32 rows: above the reuse threshold
+    tables = {
+        name: EmbeddingTable(
+            name, dim, optimizer=SparseOptimizerSpec("sgd", lr=0.5), initializer=InitializerSpec("uniform")
+        )
+        for name in ("t", "u")
+    }
+    shard = ParameterShard(0, tables, num_trainers=1, mode="sync")
+    client = EmbeddingClient(
+        [LocalConnection(shard)], default_bucket_map(16, 1), table_dims={"t": dim, "u": dim}
+    )
+    rng = np.random.default_rng(1)
+    held, copies = [], []
+    for step in range(4):
+        ids = rng.integers(step * 10**6, (step + 1) * 10**6, size=2 * batch).astype(np.int64)
+        routing, _, _ = client.route(
+            ids,
+            table_starts=np.array([0, batch, 2 * batch]),
+            tables=["t", "u"],
+            sample_major=(batch, np.arange(2)),
+        )
+        pulled = client.pull(routing)
+        assert pulled.fused["rows"].nbytes >= 1 << 20
+        if step % 2 == 0:
+            held.append(pulled)
+            copies.append({name: rows.copy() for name, rows in pulled.rows.items()})
+    for pulled, copy in zip(held, copies, strict=True):
+        for name, rows in copy.items():
+            np.testing.assert_array_equal(pulled.rows[name], rows)
+    assert client._fused_buffers.reused >= 1  # the released pulls' arrays were used again

@@ -143,3 +143,24 @@ def test_a_precomputed_transpose_gives_the_same_gradients() -> None:
     )
     with pytest.raises(ValueError, match="transposed is for 15 rows"):
         pool_bags(torch.zeros(9, 16), index % 9, offsets, transposed=(row_starts, owners))
+
+
+def test_a_live_gradient_is_never_overwritten_by_the_next_backward() -> None:
+    """The backward's gradient arrays are reused (psrec.allocator.ReusableBuffers) only once released:
+    gradients of steps still held keep their values through later backwards (oracle: nn.EmbeddingBag)."""
+    rng = np.random.default_rng(5)
+    num_rows, dim = 4096, 64  # 1 MiB of gradient: above the pool's threshold
+    held, expected = [], []
+    for step in range(4):
+        index, offsets, ids, starts = _bags(rng, 64, 3, num_rows, max_length=9)
+        weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
+        upstream = torch.from_numpy(rng.normal(size=(64, 3, dim)).astype(np.float32))
+        leaf = weight.clone().requires_grad_()
+        (pool_bags(leaf, index, offsets) * upstream).sum().backward()
+        pooled, bag = _oracle(weight, ids, starts, "sum")
+        (pooled * upstream).sum().backward()
+        if step % 2 == 0:
+            held.append(leaf.grad)  # kept: its array must not be handed out again
+            expected.append(bag.weight.grad.clone())
+    for grad, oracle in zip(held, expected, strict=True):
+        torch.testing.assert_close(grad, oracle, rtol=1e-5, atol=1e-5)
