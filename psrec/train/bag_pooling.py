@@ -52,8 +52,18 @@ def _bag_sum(rows: np.ndarray, index: np.ndarray, start: int, stop: int, acc: np
     dim = acc.shape[0]
     for d in range(dim):
         acc[d] = 0.0
-    for i in range(start, stop):
-        row = index[i]
+    i = start
+    # four ids a pass over `acc` (one load and store of it instead of four), summed in id order
+    while i + 4 <= stop:
+        r0, r1, r2, r3 = index[i], index[i + 1], index[i + 2], index[i + 3]
+        if min(r0, r1, r2, r3) < 0 or max(r0, r1, r2, r3) >= count:
+            return False
+        s0, s1, s2, s3 = rows[r0], rows[r1], rows[r2], rows[r3]
+        for d in range(dim):
+            acc[d] = (((acc[d] + s0[d]) + s1[d]) + s2[d]) + s3[d]
+        i += 4
+    for k in range(i, stop):
+        row = index[k]
         if row < 0 or row >= count:
             return False
         source = rows[row]

@@ -164,3 +164,26 @@ def test_a_live_gradient_is_never_overwritten_by_the_next_backward() -> None:
             expected.append(bag.weight.grad.clone())
     for grad, oracle in zip(held, expected, strict=True):
         torch.testing.assert_close(grad, oracle, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_sums_run_in_id_order_whatever_the_bag_length() -> None:
+    """Each bag's sum is the sequential float32 sum of its rows in id order (a plain NumPy loop as
+    the oracle), bit for bit, for lengths around the kernel's four-ids-a-pass blocks; an index out of
+    range anywhere in a bag (inside such a block too) is refused."""
+    rng = np.random.default_rng(6)
+    num_rows, dim = 50, 24
+    lengths = np.array([0, 1, 3, 4, 5, 7, 8, 9, 13, 50])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])[None, :]
+    index = rng.integers(0, num_rows, size=int(lengths.sum()))
+    rows = rng.normal(size=(num_rows, dim)).astype(np.float32) * np.float32(1e3)
+    out = pool_bags(torch.from_numpy(rows), index, offsets).numpy()
+    for b in range(lengths.size):
+        expected = np.zeros(dim, np.float32)
+        for i in index[offsets[0, b] : offsets[0, b + 1]]:
+            expected = expected + rows[i]
+        np.testing.assert_array_equal(out[b, 0], expected)
+    for position in (offsets[0, -2] + 2, offsets[0, -2] + 49):  # in a block of four, in the tail
+        bad = index.copy()
+        bad[position] = num_rows
+        with pytest.raises(IndexError, match=f"sample {lengths.size - 1} "):
+            pool_bags(torch.from_numpy(rows), bad, offsets)
