@@ -167,9 +167,9 @@ def test_a_live_gradient_is_never_overwritten_by_the_next_backward() -> None:
 
 
 def test_float32_sums_run_in_id_order_whatever_the_bag_length() -> None:
-    """Each bag's sum is the sequential float32 sum of its rows in id order (a plain NumPy loop as
-    the oracle), bit for bit, for lengths around the kernel's four-ids-a-pass blocks; an index out of
-    range anywhere in a bag (inside such a block too) is refused."""
+    """Each bag's sum, and each row's gradient, is the sequential float32 sum in id order (a plain
+    NumPy loop as the oracle), bit for bit, for lengths around the kernels' four-a-pass blocks; an
+    index out of range anywhere in a bag (inside such a block too) is refused."""
     rng = np.random.default_rng(6)
     num_rows, dim = 50, 24
     lengths = np.array([0, 1, 3, 4, 5, 7, 8, 9, 13, 50])
@@ -182,6 +182,14 @@ def test_float32_sums_run_in_id_order_whatever_the_bag_length() -> None:
         for i in index[offsets[0, b] : offsets[0, b + 1]]:
             expected = expected + rows[i]
         np.testing.assert_array_equal(out[b, 0], expected)
+    upstream = rng.normal(size=(lengths.size, 1, dim)).astype(np.float32)
+    leaf = torch.from_numpy(rows).requires_grad_()
+    (pool_bags(leaf, index, offsets) * torch.from_numpy(upstream)).sum().backward()
+    expected_grad = np.zeros_like(rows)  # each row's gradients summed in id order
+    for b in range(lengths.size):
+        for i in index[offsets[0, b] : offsets[0, b + 1]]:
+            expected_grad[i] = expected_grad[i] + upstream[b, 0]
+    np.testing.assert_array_equal(leaf.grad.numpy(), expected_grad)
     for position in (offsets[0, -2] + 2, offsets[0, -2] + 49):  # in a block of four, in the tail
         bad = index.copy()
         bad[position] = num_rows
