@@ -41,7 +41,6 @@ from psrec.threads import PARALLEL_LAUNCH
 from psrec.train.pooling import _enclosing_rows, _numpy_bits
 
 MODES = ("sum", "mean")
-_GRADIENTS = ReusableBuffers()  # the backward's row gradients (psrec.allocator)
 _ROW_CHUNK = 1024  # rows per task of the bf16 backward
 
 
@@ -240,8 +239,10 @@ class _PoolBags(torch.autograd.Function):
         mean: bool,
         dtype: torch.dtype,
         transposed: tuple[np.ndarray, np.ndarray] | None,
+        buffers: ReusableBuffers | None,
     ) -> torch.Tensor:
         ctx.index, ctx.offsets, ctx.mean, ctx.transposed = index, offsets, mean, transposed
+        ctx.buffers = buffers
         ctx.num_rows = rows.shape[0]
         source = rows.detach().numpy()
         features, batch = offsets.shape[0], offsets.shape[1] - 1
@@ -258,12 +259,18 @@ class _PoolBags(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
         row_starts, owners = ctx.transposed or transpose_bags(ctx.index, ctx.offsets, ctx.num_rows)
-        # every row is written; the array is reused once the step's push has released it
-        out = torch.from_numpy(_GRADIENTS.empty((ctx.num_rows, grad.shape[2]), np.float32))
+        shape = (ctx.num_rows, grad.shape[2])  # every row is written
+        out = (
+            torch.from_numpy(ctx.buffers.empty(shape, np.float32))  # reused once the push released it
+            if ctx.buffers is not None
+            else torch.empty(shape, dtype=torch.float32)
+        )
         whole, first = _enclosing_rows(grad.detach())
         with PARALLEL_LAUNCH:
             if whole.dtype == torch.bfloat16:
@@ -273,7 +280,7 @@ class _PoolBags(torch.autograd.Function):
                 _gather_gradients(
                     out.numpy(), row_starts, owners, ctx.offsets, whole.numpy(), first, ctx.mean
                 )
-        return out, None, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def pool_bags(
@@ -284,6 +291,7 @@ def pool_bags(
     mode: str = "sum",
     dtype: torch.dtype = torch.float32,
     transposed: tuple[np.ndarray, np.ndarray] | None = None,
+    buffers: ReusableBuffers | None = None,
 ) -> torch.Tensor:
     """(B, F, D) pooled bags (see the module docstring), differentiable in `rows`.
 
@@ -291,7 +299,8 @@ def pool_bags(
     (F, B + 1) int64, bag (f, b) = ``index[offsets[f, b]:offsets[f, b + 1]]`` (non-decreasing along
     b); `mode` "sum" or "mean"; `dtype` float32 or bfloat16 (the output; gradients sum in float32);
     `transposed` the backward's layout (`transpose_bags`) when already computed (else the backward
-    computes it).
+    computes it); `buffers` the pool the backward takes its gradient array from
+    (`psrec.allocator.ReusableBuffers`; None: a new array each time).
     """
     if mode not in MODES:
         raise ValueError(f"pool_bags: mode must be one of {MODES}, not {mode!r}")
@@ -311,5 +320,5 @@ def pool_bags(
         raise ValueError(
             f"pool_bags: transposed is for {transposed[0].shape[0] - 1} rows, not {rows.shape[0]}"
         )
-    result: torch.Tensor = _PoolBags.apply(rows, index, offsets, mode == "mean", dtype, transposed)
+    result: torch.Tensor = _PoolBags.apply(rows, index, offsets, mode == "mean", dtype, transposed, buffers)
     return result

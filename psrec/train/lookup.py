@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from psrec.allocator import ReusableBuffers
 from psrec.data.batch import Batch
 from psrec.models.base import ModelInput
 from psrec.ps.client import (
@@ -174,6 +175,7 @@ class BatchLookup:
         self.sequence_tables = dict(sequence_tables or {})
         # None: CPU tensors over the pulled buffers, numba pooling; else the device path (module docstring)
         self.device = device
+        self._gradients = ReusableBuffers()  # the bag pooling's row gradients, reused once pushed
 
     @property
     def bytes_pulled(self) -> int:
@@ -369,7 +371,13 @@ class BatchLookup:
             # Every feature's bags pooled by one kernel from the one buffer (psrec.train.bag_pooling).
             bags = (plan.bag_index, plan.bag_offsets)
             transposed = plan.bag_transposed
-            pooled = pool_bags(leaves.fused["rows"], *bags, dtype=pooled_dtype, transposed=transposed)
+            pooled = pool_bags(
+                leaves.fused["rows"],
+                *bags,
+                dtype=pooled_dtype,
+                transposed=transposed,
+                buffers=self._gradients,
+            )
             if linear_terms:
                 linear = pool_bags(leaves.fused["linear"], *bags, transposed=transposed).squeeze(-1)
         elif plan.bag_offsets is not None:  # every feature's bags by one embedding_bag, on the device

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from psrec.allocator import ReusableBuffers
 from psrec.train.bag_pooling import pool_bags, transpose_bags
 
 
@@ -151,12 +152,13 @@ def test_a_live_gradient_is_never_overwritten_by_the_next_backward() -> None:
     rng = np.random.default_rng(5)
     num_rows, dim = 4096, 64  # 1 MiB of gradient: above the pool's threshold
     held, expected = [], []
+    buffers = ReusableBuffers()
     for step in range(4):
         index, offsets, ids, starts = _bags(rng, 64, 3, num_rows, max_length=9)
         weight = torch.from_numpy(rng.normal(size=(num_rows, dim)).astype(np.float32))
         upstream = torch.from_numpy(rng.normal(size=(64, 3, dim)).astype(np.float32))
         leaf = weight.clone().requires_grad_()
-        (pool_bags(leaf, index, offsets) * upstream).sum().backward()
+        (pool_bags(leaf, index, offsets, buffers=buffers) * upstream).sum().backward()
         pooled, bag = _oracle(weight, ids, starts, "sum")
         (pooled * upstream).sum().backward()
         if step % 2 == 0:
@@ -164,6 +166,7 @@ def test_a_live_gradient_is_never_overwritten_by_the_next_backward() -> None:
             expected.append(bag.weight.grad.clone())
     for grad, oracle in zip(held, expected, strict=True):
         torch.testing.assert_close(grad, oracle, rtol=1e-5, atol=1e-5)
+    assert buffers.reused >= 1  # the released gradients' arrays were used again
 
 
 def test_float32_sums_run_in_id_order_whatever_the_bag_length() -> None:
