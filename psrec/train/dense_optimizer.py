@@ -17,55 +17,31 @@ gradients, no AMSGrad, momentum, Nesterov or fused kernels.
 from __future__ import annotations
 
 import collections
+import inspect
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
-NAMES = ("adam", "adagrad", "sgd")
+_CLASSES = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+NAMES = tuple(_CLASSES)
 
 
 def _defaults(name: str, lr: float, betas: tuple[float, float], weight_decay: float) -> dict[str, Any]:
-    """The group hyperparameters torch.optim's class of `name` records (its defaults elsewhere)."""
+    """The group hyperparameters torch.optim's class of `name` records: its constructor's defaults
+    (read from its signature, so they follow the installed torch) with `lr`, `weight_decay` and,
+    for Adam, `betas`."""
+    if name not in _CLASSES:
+        raise ValueError(f"dense optimizer must be one of {NAMES}, not {name!r}")
+    parameters = inspect.signature(_CLASSES[name]).parameters
+    group = {key: p.default for key, p in parameters.items() if key != "params"}
+    group.update(lr=lr, weight_decay=weight_decay)
     if name == "adam":
-        return {
-            "lr": lr,
-            "betas": betas,
-            "eps": 1e-8,
-            "weight_decay": weight_decay,
-            "amsgrad": False,
-            "maximize": False,
-            "foreach": None,
-            "capturable": False,
-            "differentiable": False,
-            "fused": None,
-            "decoupled_weight_decay": False,
-        }
-    if name == "adagrad":
-        return {
-            "lr": lr,
-            "lr_decay": 0,
-            "eps": 1e-10,
-            "weight_decay": weight_decay,
-            "initial_accumulator_value": 0,
-            "foreach": None,
-            "maximize": False,
-            "differentiable": False,
-            "fused": None,
-        }
-    if name == "sgd":
-        return {
-            "lr": lr,
-            "momentum": 0,
-            "dampening": 0,
-            "weight_decay": weight_decay,
-            "nesterov": False,
-            "maximize": False,
-            "foreach": None,
-            "differentiable": False,
-            "fused": None,
-        }
-    raise ValueError(f"dense optimizer must be one of {NAMES}, not {name!r}")
+        group["betas"] = betas
+    return group
 
 
 # settings DenseOptimizer does not implement: a loaded state_dict asking for them is refused
@@ -137,8 +113,6 @@ class DenseOptimizer:
                     self.state[p] = self._initial_state(p, group)
                 states.append(self.state[p])
             if self.name == "adam":
-                from torch.optim.adam import adam
-
                 beta1, beta2 = group["betas"]
                 adam(
                     params,
@@ -164,8 +138,6 @@ class DenseOptimizer:
                     decoupled_weight_decay=group["decoupled_weight_decay"],
                 )
             elif self.name == "adagrad":
-                from torch.optim.adagrad import adagrad
-
                 adagrad(
                     params,
                     grads,
@@ -185,8 +157,6 @@ class DenseOptimizer:
                     found_inf=None,
                 )
             else:
-                from torch.optim.sgd import sgd
-
                 sgd(
                     params,
                     grads,
