@@ -4,8 +4,10 @@
 import numpy as np
 import pytest
 
-from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec
-from psrec.ps.client import EmbeddingClient, LocalConnection
+from psrec.embedding import EmbeddingTable, InitializerSpec, SparseOptimizerSpec, TableSpec
+from psrec.ps.actors import ShardActor
+from psrec.ps.client import EmbeddingClient, LocalConnection, _Done
+from psrec.ps.replay import prepare_fresh
 from psrec.ps.routing import bucket_of, default_bucket_map
 from psrec.ps.shard import ParameterShard
 
@@ -244,3 +246,121 @@ def test_fused_pulls_still_held_keep_their_rows_through_later_pulls() -> None:
         for name, rows in copy.items():
             np.testing.assert_array_equal(pulled.rows[name], rows)
     assert client._fused_buffers.reused >= 1  # the released pulls' arrays were used again
+
+
+class _ActorInProcess:
+    """A `ShardActor` called directly (no Ray), counting the calls it is sent: a push-pulling
+    connection (`PushPulling`), as `RayConnection` is."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.calls: list[str] = []
+
+    def pull(self, requests, *, train, request=None):
+        self.calls.append("pull")
+        return _Done(self.actor.pull(requests, train, "trainer-0" if train else None, request))
+
+    def push(self, trainer, request_id, step, gradients):
+        self.calls.append("push")
+        return _Done(self.actor.push(trainer, request_id, step, gradients))
+
+    def push_pull(self, trainer, request_id, step, gradients, requests, *, request=None):
+        self.calls.append("push_pull")
+        applied, rows = self.actor.push_pull(
+            trainer, request_id, step, gradients, requests, "trainer-0", request
+        )
+        return _Done(applied), _Done(rows)
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_a_held_push_travels_with_the_next_pull_as_one_call_per_shard(tmp_path, logged: bool) -> None:
+    """`submit_push(hold=True)` over shard actors: the next training pull carries the push (one
+    `push_pull` call per shard, the push applied first), so every step's rows equal those of
+    separate push and pull calls on plain shards; a held push also goes out on its own when its
+    answer is asked for, when a non-training pull comes first, or on `send_held_pushes`."""
+    specs = [
+        TableSpec(name, DIM, SparseOptimizerSpec("rowwise_adagrad", lr=0.3), InitializerSpec("uniform", 0.1))
+        for name in ("t", "u")
+    ]
+    bucket_map = default_bucket_map(16, 2)
+    if logged:  # each push and pull logged as when sent alone
+        for i in range(2):
+            prepare_fresh(tmp_path / str(i))
+    connections = [
+        _ActorInProcess(
+            ShardActor(
+                i, specs, num_trainers=1, mode="sync", push_log=str(tmp_path / str(i)) if logged else None
+            )
+        )
+        for i in range(2)
+    ]
+    oracle_shards = [
+        ParameterShard(i, {s.name: EmbeddingTable.from_spec(s) for s in specs}, num_trainers=1, mode="sync")
+        for i in range(2)
+    ]
+    dims = {"t": DIM, "u": DIM}
+    client = EmbeddingClient(connections, bucket_map, table_dims=dims)
+    oracle = EmbeddingClient([LocalConnection(s) for s in oracle_shards], bucket_map, table_dims=dims)
+    rng = np.random.default_rng(1)
+    starts = np.array([0, 30, 50], dtype=np.int64)
+    batches = [rng.integers(0, 40, 50).astype(np.int64) for _ in range(5)]
+
+    def routed(ids):
+        return client.route(ids, table_starts=starts, tables=["t", "u"])[0]
+
+    routing = routed(batches[0])
+    rows = client.collect_pull(routing, client.submit_pull(routing, request=1)).rows
+    expected = oracle.pull(routing).rows
+    for step, ids in enumerate(batches[1:]):
+        for name in ("t", "u"):
+            np.testing.assert_array_equal(rows[name], expected[name])
+        grads = {n: rng.normal(size=(routing.unique_ids[n].size, DIM)).astype(np.float32) for n in dims}
+        for connection in connections:
+            connection.calls.clear()
+        held = client.submit_push(routing, grads.get, step=step, hold=True)
+        assert all(connection.calls == [] for connection in connections)  # nothing sent yet
+        oracle.push(routing, grads.get, step=step)
+        routing = routed(ids)
+        if step == 2:  # waiting for a held push sends it alone
+            assert all(handle.result() for handle in held)
+        if step == 3:  # so does a pull that does not train, which then sees the push
+            seen = client.pull(routing, train=False).rows
+            np.testing.assert_array_equal(seen["t"], oracle.pull(routing, train=False).rows["t"])
+        rows = client.collect_pull(routing, client.submit_pull(routing, request=step + 2)).rows
+        expected = oracle.pull(routing).rows
+        together = step in (0, 1)
+        for connection in connections:
+            assert connection.calls[-1] == ("push_pull" if together else "pull")
+            assert connection.calls.count("push") == (0 if together else 1)
+        assert all(handle.result() for handle in held)
+    for name in ("t", "u"):
+        np.testing.assert_array_equal(rows[name], expected[name])
+    grads = {n: np.ones((routing.unique_ids[n].size, DIM), np.float32) for n in dims}
+    client.submit_push(routing, grads.get, step=len(batches) - 1, hold=True)
+    client.send_held_pushes()
+    client.send_held_pushes()  # nothing held: nothing sent
+    assert [connection.calls[-2:] for connection in connections] == [["pull", "push"]] * 2
+    oracle.push(routing, grads.get, step=len(batches) - 1)
+    final = oracle.pull(routing, train=False).rows
+    np.testing.assert_array_equal(client.pull(routing, train=False).rows["u"], final["u"])
+    if logged:  # shards rebuilt from their logs alone replay every push and pull in order
+        rebuilt = [
+            ShardActor(i, specs, num_trainers=1, mode="sync", push_log=str(tmp_path / str(i)))
+            for i in range(2)
+        ]
+        replayed = EmbeddingClient([_ActorInProcess(actor) for actor in rebuilt], bucket_map, table_dims=dims)
+        for name in ("t", "u"):
+            np.testing.assert_array_equal(replayed.pull(routing, train=False).rows[name], final[name])
+
+
+def test_pushes_are_not_held_for_shards_in_this_process() -> None:
+    """In-process shards apply a push at once (nothing to save on a round trip): `hold` is ignored."""
+    shards = make_shards(2)
+    client = EmbeddingClient(
+        [LocalConnection(s) for s in shards], default_bucket_map(8, 2), table_dims={"t": DIM}
+    )
+    ids = np.arange(10, dtype=np.int64)
+    routing, _, _ = client.route(ids, table_starts=np.array([0, 10], dtype=np.int64), tables=["t"])
+    client.pull(routing)
+    client.submit_push(routing, lambda name: None, step=0, hold=True)
+    assert [s.applied_step for s in shards] == [0, 0]
