@@ -120,21 +120,6 @@ class ShardActor:
         decoded = {name: (ids, decode_gradients(grads)) for name, (ids, grads) in gradients.items()}
         return self.shard.push(trainer, request_id, step, decoded)
 
-    def push_pull(
-        self,
-        trainer: int,
-        request_id: int,
-        step: int,
-        gradients: TableGradients,
-        requests: dict[str, np.ndarray],
-        caller: str,
-        request: int,
-    ) -> tuple[bool, dict[str, np.ndarray]]:
-        """A push and the caller's next training pull in one call: `push`, then `pull` (each logged
-        and made idempotent as when sent alone)."""
-        applied = self.push(trainer, request_id, step, gradients)
-        return applied, self.pull(requests, True, caller, request)
-
     def call(self, method: str, *args: Any) -> Any:
         """Run one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots, learning rate)."""
         if method not in MAINTENANCE_METHODS:
@@ -201,8 +186,6 @@ class _RayPending:
         self.connection = connection
         self.method = method
         self.args = args
-        self.answered = False
-        self.value: Any = None  # the answer, kept once waited for (a `push_pull`'s two parts share it)
         self.ref = getattr(connection.actor, method).remote(*args)
 
     def resend(self) -> None:
@@ -210,17 +193,6 @@ class _RayPending:
 
     def result(self) -> Any:
         return self.connection.result_of(self)
-
-
-class _PartOf:
-    """One of the two answers of a `push_pull` call (0: the push's, 1: the pull's rows)."""
-
-    def __init__(self, call: _RayPending, index: int) -> None:
-        self.call = call
-        self.index = index
-
-    def result(self) -> Any:
-        return self.call.result()[self.index]
 
 
 class RayConnection:
@@ -254,26 +226,6 @@ class RayConnection:
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         return self._submit("push", (trainer, request_id, step, gradients))
 
-    def push_pull(
-        self,
-        trainer: int,
-        request_id: int,
-        step: int,
-        gradients: TableGradients,
-        requests: dict[str, np.ndarray],
-        *,
-        request: int | None = None,
-    ) -> tuple[Pending, Pending]:
-        """`push` and then a training `pull` in one actor call (`ShardActor.push_pull`): one round
-        trip and one task on the shard instead of two; the same order, logging and idempotence."""
-        if request is not None and self.caller is not None:
-            caller, number = self.caller, request
-        else:
-            self._pulls += 1
-            caller, number = self._anonymous, self._pulls
-        call = self._submit("push_pull", (trainer, request_id, step, gradients, requests, caller, number))
-        return _PartOf(call, 0), _PartOf(call, 1)
-
     def prefetch(self, requests: dict[str, np.ndarray]) -> int:
         """Tell the shard a coming training pull's ids (`ShardActor.prefetch`), not waiting for it:
         the shard runs it before the caller's later calls, and a prefetch lost with a dying shard
@@ -290,8 +242,6 @@ class RayConnection:
         import ray
         from ray.exceptions import RayActorError
 
-        if pending.answered:
-            return pending.value
         for attempt in range(RESEND_ATTEMPTS + 1):
             try:
                 value = ray.get(pending.ref)
@@ -302,7 +252,6 @@ class RayConnection:
                 continue
             if pending in self._outstanding:
                 self._outstanding.remove(pending)
-            pending.answered, pending.value = True, value
             return value
         raise AssertionError("unreachable")
 

@@ -88,38 +88,6 @@ class LocalConnection:
 
 
 @runtime_checkable
-class PushPulling(Protocol):
-    """A connection that sends a push and the caller's next training pull as one call
-    (`psrec.ps.actors.RayConnection.push_pull`); returns the push's and the pull's pending answers."""
-
-    def push_pull(
-        self,
-        trainer: int,
-        request_id: int,
-        step: int,
-        gradients: TableGradients,
-        requests: dict[str, np.ndarray],
-        *,
-        request: int | None = None,
-    ) -> tuple[Pending, Pending]: ...
-
-
-class _HeldPush:
-    """A push the client holds back to send with the next training pull (`submit_push(hold=True)`);
-    asking for its answer sends whatever is held first."""
-
-    def __init__(self, client: EmbeddingClient) -> None:
-        self.client = client
-        self.sent: Pending | None = None
-
-    def result(self) -> Any:
-        if self.sent is None:
-            self.client.send_held_pushes()
-        assert self.sent is not None
-        return self.sent.result()
-
-
-@runtime_checkable
 class Prefetching(Protocol):
     """A connection whose shard can be told a coming training pull's ids (`ParameterShard.prefetch`);
     returns the rows it is reading, 0 where that is not known without waiting."""
@@ -188,8 +156,6 @@ class EmbeddingClient:
         prefetch_tables: Collection[str] = (),
     ) -> None:
         check_precision(wire_precision)
-        # Per shard, a push held back to travel with the next training pull (`submit_push(hold=True)`).
-        self._held: list[tuple[_HeldPush, int, int, TableGradients]] = []
         self.connections: list[ShardConnection] = []
         self._routing: tuple[int, np.ndarray] = (0, np.zeros(0, np.int64))
         self.set_routing(connections, bucket_to_shard, version=routing_version)
@@ -214,7 +180,6 @@ class EmbeddingClient:
                 f"bucket map names {int(bucket_to_shard.max()) + 1} shards but {len(connections)} are connected"
             )
         bucket_map = np.ascontiguousarray(bucket_to_shard, dtype=np.int64)
-        self.send_held_pushes()
         self.connections = list(connections)
         self._routing = (version, bucket_map)  # one assignment: the planner thread reads it whole
 
@@ -284,11 +249,6 @@ class EmbeddingClient:
         training pull's number (`ShardConnection.pull`)."""
         routing = self.current(routing)
         pairs = self.tables_of(routing)
-        held, self._held = self._held, []
-        if held and not train:
-            self._held = held
-            self.send_held_pushes()
-            held = []
         pulled = PullRequest([], routing=routing)
         if routing.fused:
             total = sum(ids.size for ids in routing.unique_ids.values())
@@ -315,13 +275,6 @@ class EmbeddingClient:
                         out[name] = buffer[first + bounds[shard] : first + bounds[shard + 1]]
                         pulled.in_place.add((shard, name))
                 pulled.handles.append(connection.pull(requests, train=train, out=out))
-            elif held:
-                handle, trainer, step, gradients = held[shard]
-                assert isinstance(connection, PushPulling)
-                handle.sent, rows = connection.push_pull(
-                    trainer, step, step, gradients, requests, request=request
-                )
-                pulled.handles.append(rows)
             else:
                 pulled.handles.append(connection.pull(requests, train=train, request=request))
         return pulled
@@ -333,7 +286,6 @@ class EmbeddingClient:
         actor is not waited for). A connection without `prefetch` is not told."""
         if not self.prefetch_tables:
             return 0
-        self.send_held_pushes()  # a shard runs the prefetch before a push sent after it
         routing = self.current(routing)
         pairs = [(name, source) for name, source in self.tables_of(routing) if name in self.prefetch_tables]
         reading = 0
@@ -384,7 +336,6 @@ class EmbeddingClient:
         *,
         step: int,
         scale: float = 1.0,
-        hold: bool = False,
     ) -> list[Pending]:
         """Send each shard the gradients of its rows (multiplied by `scale`, e.g. 1/num_trainers).
 
@@ -392,13 +343,7 @@ class EmbeddingClient:
         None when it got none (zeros are pushed then). The step doubles as the push's request id: a
         step re-run after a crash carries the same id, and a shard that already applied it drops the
         retry.
-
-        `hold`: where every connection can (`PushPulling`: shard actors), keep the push back and send
-        it with the next training pull, one call per shard (the shard applies the push first, as when
-        sent alone). Anything else sent to the shards sends it first, as does `send_held_pushes` and
-        waiting for a returned handle; the caller calls `send_held_pushes` when no pull follows.
         """
-        self.send_held_pushes()
         routing = self.current(routing)
         per_shard: list[TableGradients] = [{} for _ in self.connections]
         for name, source in self.tables_of(routing):
@@ -413,30 +358,15 @@ class EmbeddingClient:
                 if part.shape[0]:
                     encoded = encode_gradients(np.ascontiguousarray(part), self.wire_precision)
                     per_shard[shard][name] = (routed.ids_per_shard[shard], encoded)  # type: ignore[assignment]
-        handles: list[Pending] = []
-        hold = hold and all(isinstance(connection, PushPulling) for connection in self.connections)
+        handles = []
         for connection, gradients in zip(self.connections, per_shard, strict=True):
             self.bytes_pushed += sum(ids.nbytes + grads.nbytes for ids, grads in gradients.values())
             # Every shard gets the push, even an empty one: in sync mode it completes the step.
-            if hold:
-                held = _HeldPush(self)
-                self._held.append((held, self.trainer_index, step, gradients))
-                handles.append(held)
-            else:
-                handles.append(connection.push(self.trainer_index, step, step, gradients))
+            handles.append(connection.push(self.trainer_index, step, step, gradients))
         return handles
-
-    def send_held_pushes(self) -> None:
-        """Send the pushes held back for the next pull (`submit_push(hold=True)`) on their own."""
-        held, self._held = self._held, []
-        if not held:
-            return
-        for connection, (handle, trainer, step, gradients) in zip(self.connections, held, strict=True):
-            handle.sent = connection.push(trainer, step, step, gradients)
 
     def submit_empty_push(self, *, step: int) -> list[Pending]:
         """A push with no gradients: completes a sync step for a trainer that had no batch."""
-        self.send_held_pushes()
         return [connection.push(self.trainer_index, step, step, {}) for connection in self.connections]
 
     def push(

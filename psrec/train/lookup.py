@@ -406,14 +406,10 @@ class BatchLookup:
 
     # -- push ----------------------------------------------------------------------------------
     def submit_push(
-        self, plan: LookupPlan, leaves: RowLeaves, *, step: int, scale: float = 1.0, hold: bool = False
+        self, plan: LookupPlan, leaves: RowLeaves, *, step: int, scale: float = 1.0
     ) -> list[Pending]:
-        """Push the leaves' row gradients (times `scale`); with `hold`, where the shards can, with
-        the next training pull (see `EmbeddingClient.submit_push`)."""
-        return self.client.submit_push(plan.routing, leaves.grad, step=step, scale=scale, hold=hold)
-
-    def send_held_pushes(self) -> None:
-        self.client.send_held_pushes()
+        """Push the leaves' row gradients (times `scale`); see `EmbeddingClient.submit_push`."""
+        return self.client.submit_push(plan.routing, leaves.grad, step=step, scale=scale)
 
     def submit_empty_push(self, *, step: int) -> list[Pending]:
         return self.client.submit_empty_push(step=step)

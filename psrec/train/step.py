@@ -32,9 +32,7 @@ Task parallelism (the step's stages overlap, none of it changes a result):
   step's push with one trainer (per-caller order puts it behind the push) and in async mode, right
   after the dense allreduce with N sync trainers (the allreduce proves every push of the step was
   applied). The shards then apply the push and gather the next rows while the trainer runs the
-  allreduce / dense optimizer step. Where the push is followed at once by the next pull (one
-  trainer, or async) and that batch is already routed, shard actors get the push and the pull as
-  one call (`EmbeddingClient.submit_push(hold=True)`): one round trip per shard and step.
+  allreduce / dense optimizer step.
 
 Phase times are those of the trainer's critical path ("plan" = waiting for a routed batch, "pull" =
 submitting + waiting for rows); work moved off it is reported as ``plan_overlapped``.
@@ -336,10 +334,7 @@ class StepRunner:
         loss.backward()
         start = timer.add("backward", start)
         barrier = self.mode == "sync" and self.world_size > 1
-        # Without a barrier the next pull follows at once when its batch is ready: shard actors then
-        # get both in one call (a push is not held while the trainer waits for input).
-        hold = not barrier and self._planner is not None and self._planner.peek() is not None
-        handles = self.client.submit_push(plan, weights, step=step, scale=1.0 / self.world_size, hold=hold)
+        handles = self.client.submit_push(plan, weights, step=step, scale=1.0 / self.world_size)
         if barrier:
             for handle in handles:  # the allreduce below is the barrier that makes the step complete
                 handle.result()
@@ -353,7 +348,6 @@ class StepRunner:
         start = timer.add("push", start)
         if not barrier:
             submit_next()  # records its own plan / pull time
-            self.client.send_held_pushes()  # when no pull was submitted (the last step of a run)
             start = time.perf_counter()
         allreduce_mean_(self._dense_grads() + self._running_statistics(), self.world_size)
         start = timer.add("allreduce", start)
