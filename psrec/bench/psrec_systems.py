@@ -450,7 +450,13 @@ def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
     if layout.nodes == 1:
         owns_ray = not ray.is_initialized()
         if owns_ray:
-            start_ray(None, num_cpus=4, log_to_driver=False, omp_passive=layout.omp_passive)
+            start_ray(
+                None,
+                num_cpus=4,
+                log_to_driver=False,
+                omp_passive=layout.omp_passive,
+                actors=layout.num_trainers + layout.num_shards,
+            )
         try:
             yield None
         finally:

@@ -91,11 +91,15 @@ def test_the_bench_starts_ray_as_psrec_train_does_on_loopback_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Ray bench run must not start a cluster listening on every interface: it goes through
-    `start_ray(None)` (node address 127.0.0.1 in Ray's single-machine mode, token authentication)."""
+    `start_ray(None)` (node address 127.0.0.1 in Ray's single-machine mode, token authentication),
+    and starts its actors' processes as `psrec train` does: all at once, and no idle workers (which
+    would take CPU from the timed run)."""
     import ray
     from ray._private import ray_constants
 
-    from psrec.bench.psrec_systems import PsrecLayout, run_psrec
+    from psrec.bench.psrec_systems import PsrecLayout, bench_config, run_psrec
+    from psrec.config import parse_config
+    from psrec.train.cluster import _actor_start_settings, ray_start_arguments
     from tests.bench.test_bench import tiny_workload
 
     if ray.is_initialized():
@@ -104,13 +108,23 @@ def test_the_bench_starts_ray_as_psrec_train_does_on_loopback_only(
 
     def fake_init(**kwargs: object) -> None:
         seen.update(
-            kwargs, single_machine=not ray_constants.ENABLE_RAY_CLUSTER, auth=os.environ.get("RAY_AUTH_MODE")
+            kwargs,
+            single_machine=not ray_constants.ENABLE_RAY_CLUSTER,
+            auth=os.environ.get("RAY_AUTH_MODE"),
+            actor_start={name: os.environ.get(name) for name in trains_with},
         )
         raise _StopBeforeStarting
 
+    layout = PsrecLayout("ray")
+    workload = tiny_workload(tmp_path)
+    config = parse_config(bench_config(workload, str(tmp_path / "run"), layout))
+    trains_with = _actor_start_settings(ray_start_arguments(config)["actors"], 4)
+    for name in trains_with:
+        monkeypatch.delenv(name, raising=False)  # start_ray sets them in this process's environment
     monkeypatch.setattr(ray, "init", fake_init)
     with pytest.raises(_StopBeforeStarting):
-        run_psrec(tiny_workload(tmp_path), {}, layout=PsrecLayout("ray"))
+        run_psrec(workload, {}, layout=layout)
+    assert seen["actor_start"] == trains_with
     assert seen["_node_ip_address"] == "127.0.0.1"
     assert seen["single_machine"] is True  # else Ray swaps 127.0.0.1 for the host's address
     assert seen["auth"] == "token"
