@@ -100,3 +100,39 @@ def test_a_built_shard_actor_has_not_imported_torch() -> None:
         "assert numba.get_num_threads() == 1, numba.get_num_threads()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def test_every_runtime_dependency_is_one_psrec_imports() -> None:
+    """`[project] dependencies` hold what psrec's own code imports, nothing only the tests use (those
+    go in the `dev` extra): each installed package costs users disk and, like scipy beside numba (its
+    CPU target imports scipy.linalg whenever it is installed, 0.1 s in every process), start-up."""
+    import ast
+    import importlib.metadata
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+
+    def normal(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    imported: set[str] = set()
+    for path in (root / "psrec").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module)
+    # A dependency psrec reaches through another package's module.
+    used_through = {"tensorboard": "torch.utils.tensorboard"}
+    providers = importlib.metadata.packages_distributions()
+    used = {normal(dist) for module in imported for dist in providers.get(module.split(".")[0], [])}
+    used |= {name for name, module in used_through.items() if module in imported}
+    unused = [
+        requirement
+        for requirement in declared
+        if normal(re.match(r"[A-Za-z0-9_.-]+", requirement).group()) not in used  # type: ignore[union-attr]
+    ]
+    assert unused == [], f"runtime dependencies psrec never imports (move them to the dev extra): {unused}"
