@@ -249,6 +249,11 @@ class PSConfig(_Strict):
         "(gradients with a per-row scale); in-process shards are not serialised and ignore it",
     )
     staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
+    shared_memory: bool = Field(
+        True,
+        description="a trainer and the shard actors on its machine pass pulled and pushed arrays through "
+        "shared memory (/dev/shm) instead of Ray's object store; false: always the object store",
+    )
     trainer_resources: ResourcesConfig = ResourcesConfig()
     shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)
     placement: PlacementConfig = PlacementConfig()

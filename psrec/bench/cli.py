@@ -14,7 +14,8 @@ e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wi
 and TorchRec), torchrec-fp16rows (fp16 tables, beside psrec-fp16rows), psrec-bf16-compile +
 ceiling-bf16-compile (torch.compile of the dense model, `training.compile`), psrec-ray-1x1,
 psrec-ray-2x2, psrec-ray-2x2-nodes (the 2x2 layout on a local cluster of two Ray nodes, one trainer
-and one shard on each: `psrec.bench.local_cluster`), psrec-ray-fp16 (ps.wire_precision fp16), psrec-bf16-grow (no expected_rows),
+and one shard on each: `psrec.bench.local_cluster`), psrec-ray-fp16 (ps.wire_precision fp16),
+psrec-ray-object-store (ps.shared_memory false: arrays through Ray's object store), psrec-bf16-grow (no expected_rows),
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
 `populate: false`), psrec-ray-t1, psrec-ray-passive, psrec-t1, psrec-passive,

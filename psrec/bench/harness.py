@@ -243,6 +243,11 @@ _SYSTEMS = [
         partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", trainer_threads=1)),
     ),
     System(
+        "psrec-ray-object-store",
+        "psrec Ray 1x2, arrays through Ray's object store (ps.shared_memory false)",
+        partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", shared_memory=False)),
+    ),
+    System(
         "psrec-ray-passive",
         "psrec Ray 1x2, OMP_WAIT_POLICY=PASSIVE",
         partial(psrec_systems.run_psrec, layout=PsrecLayout("ray", omp_passive=True)),

@@ -85,6 +85,7 @@ class PsrecLayout:
     trainer_threads: int | None = None  # None: the workload's thread count
     shard_threads: int = 1
     omp_passive: bool = False  # Ray runs only: the actors get OMP_WAIT_POLICY=PASSIVE
+    shared_memory: bool = True  # Ray runs only: ps.shared_memory (False: arrays via the object store)
     nodes: int = 1  # Ray runs only: > 1 runs on a local cluster of that many nodes, actors spread
 
     def node_resources(self) -> dict[str, float]:
@@ -199,6 +200,7 @@ def bench_config(
             "num_shards": layout.num_shards,
             "mode": "sync",
             "wire_precision": options.wire_precision,
+            "shared_memory": layout.shared_memory,
             "trainer_resources": {"num_cpus": 1, "threads": trainer_threads, **gpus},
             "shard_resources": {"num_cpus": 0.5, "threads": layout.shard_threads},
             "address": address,

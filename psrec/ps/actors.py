@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,14 @@ from psrec.ps.client import Pending
 from psrec.ps.replay import LoggedShard, announce_recovery
 from psrec.ps.shard import ParameterShard, TableGradients
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
+from psrec.ps.shared_arrays import (
+    Message,
+    ReplySpace,
+    SegmentPool,
+    SharedArrays,
+    SharedMemoryUnavailable,
+    job_prefix,
+)
 from psrec.ps.wire import check_precision, decode_gradients, encode_rows
 from psrec.threads import set_thread_counts
 
@@ -50,6 +59,31 @@ MAINTENANCE_METHODS = frozenset(
         "version_log",
     }
 )
+
+
+@dataclass(frozen=True)
+class SharedRequest:
+    """A pull's ids in shared memory (table i's under key "i") and the space for its rows."""
+
+    tables: list[str]
+    ids: SharedArrays
+    reply: ReplySpace
+
+    def load(self) -> dict[str, np.ndarray]:
+        arrays = self.ids.load()
+        return {name: arrays[str(i)] for i, name in enumerate(self.tables)}
+
+
+@dataclass(frozen=True)
+class SharedGradients:
+    """A push's ids and float32 gradients in shared memory (table i's under "i/ids", "i/grads")."""
+
+    tables: list[str]
+    arrays: SharedArrays
+
+    def load(self) -> TableGradients:
+        arrays = self.arrays.load()
+        return {name: (arrays[f"{i}/ids"], arrays[f"{i}/grads"]) for i, name in enumerate(self.tables)}
 
 
 class ShardActor:
@@ -97,24 +131,35 @@ class ShardActor:
 
     def pull(
         self,
-        requests: dict[str, np.ndarray],
+        requests: dict[str, np.ndarray] | SharedRequest,
         train: bool,
         caller: str | None = None,
         request: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Rows of each table's ids; a training pull's (caller, request) number makes it idempotent."""
+    ) -> dict[str, np.ndarray] | SharedArrays:
+        """Rows of each table's ids; a training pull's (caller, request) number makes it idempotent.
+        Ids sent in shared memory are answered there when the rows fit the space reserved."""
+        reply: ReplySpace | None = None
+        if isinstance(requests, SharedRequest):
+            reply = requests.reply
+            requests = requests.load()
         if self.logged is not None:
             rows = self.logged.pull(requests, train=train, caller=caller, request=request)
         else:
             rows = self.shard.pull(requests, train=train)
-        return {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
+        encoded = {name: encode_rows(values, self.wire_precision) for name, values in rows.items()}
+        written = reply.write(encoded) if reply is not None else None
+        return encoded if written is None else written
 
     def prefetch(self, requests: dict[str, np.ndarray]) -> int:
         """Start reading a coming training pull's cold rows (`ParameterShard.prefetch`): changes no
         result, so it is neither logged nor numbered."""
         return self.shard.prefetch(requests)
 
-    def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> bool:
+    def push(
+        self, trainer: int, request_id: int, step: int, gradients: TableGradients | SharedGradients
+    ) -> bool:
+        if isinstance(gradients, SharedGradients):
+            gradients = gradients.load()
         if self.logged is not None:  # logged as it arrived (wire precision), decoded when applied
             return self.logged.push(trainer, request_id, step, dict(gradients))
         decoded = {name: (ids, decode_gradients(grads)) for name, (ids, grads) in gradients.items()}
@@ -179,17 +224,50 @@ class ShardActor:
 RESEND_ATTEMPTS = 16
 
 
-class _RayPending:
-    """One call to a shard actor: what to send again if the shard dies before it answers."""
+# A pull's rows are expected to take at most this many times the bytes of its ids (dim 64 in float32
+# is 32x) until a reply says more; a reply too large for its space comes back through Ray.
+_FIRST_REPLY_RATIO = 40.0
 
-    def __init__(self, connection: RayConnection, method: str, args: tuple[Any, ...]) -> None:
+
+class _RayPending:
+    """One call to a shard actor: what to send again if the shard dies before it answers.
+
+    A call that carries shared-memory arrays (`psrec.ps.shared_arrays`) keeps its `messages` (the
+    segments it uses, released once it is answered) and `plain_args`, the same call with the arrays
+    themselves, sent instead when the shard cannot open the segments."""
+
+    def __init__(
+        self,
+        connection: RayConnection,
+        method: str,
+        args: tuple[Any, ...],
+        *,
+        plain_args: tuple[Any, ...] | None = None,
+        messages: tuple[Message, ...] = (),
+        tables: list[str] | None = None,
+    ) -> None:
         self.connection = connection
         self.method = method
         self.args = args
+        self.plain_args = plain_args
+        self.messages = messages
+        self.tables = tables  # a shared pull's tables, in the order of its reply's keys
         self.ref = getattr(connection.actor, method).remote(*args)
 
     def resend(self) -> None:
         self.ref = getattr(self.connection.actor, self.method).remote(*self.args)
+
+    def resend_plain(self) -> None:
+        """Send the call again with its arrays themselves (the shard could not open the segments)."""
+        assert self.plain_args is not None
+        self.release()
+        self.args, self.plain_args, self.tables = self.plain_args, None, None
+        self.resend()
+
+    def release(self) -> None:
+        for message in self.messages:
+            self.connection.pool.release(message)  # type: ignore[union-attr]
+        self.messages = ()
 
     def result(self) -> Any:
         return self.connection.result_of(self)
@@ -203,9 +281,15 @@ class RayConnection:
     that order (Ray does not keep the order of calls it retries itself), and the waiting call
     returns once the restarted shard answers it. A shard that died for good (`ActorDiedError`)
     raises as before: the driver then rolls the job back.
+
+    With `shared_memory` (the default), a shard on this machine gets the bulk of pulls and pushes
+    through shared-memory segments this connection owns (`psrec.ps.shared_arrays`): the pushed ids
+    and float32 gradients, the pulled ids and the rows coming back. A shard that cannot open them
+    (on another machine) fails those calls before it changes anything; they are sent again, in
+    order, with the arrays themselves, and so is everything after.
     """
 
-    def __init__(self, actor: Any, *, caller: str | None = None) -> None:
+    def __init__(self, actor: Any, *, caller: str | None = None, shared_memory: bool = True) -> None:
         self.actor = actor
         # Names this connection's training pulls (`LoggedShard.pull`): numbered by the caller when it
         # gives `request` (a trainer: its step + 1, the same for its replacement), else counted here.
@@ -214,17 +298,58 @@ class RayConnection:
         self._pulls = 0
         self._outstanding: list[_RayPending] = []
         self.resent = 0
+        self.pool: SegmentPool | None = SegmentPool(_segment_prefix()) if shared_memory else None
+        self._same_machine: bool | None = None  # asked of the shard at the first call
+        self._reply_ratio = _FIRST_REPLY_RATIO
+
+    def close(self) -> None:
+        """Unlink this connection's shared-memory segments (also done when it is garbage-collected)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def pull(self, requests: dict[str, np.ndarray], *, train: bool, request: int | None = None) -> Pending:
         if not train:
-            return self._submit("pull", (requests, train))
-        if request is not None and self.caller is not None:
-            return self._submit("pull", (requests, train, self.caller, request))
-        self._pulls += 1
-        return self._submit("pull", (requests, train, self._anonymous, self._pulls))
+            args: tuple[Any, ...] = (requests, train)
+        elif request is not None and self.caller is not None:
+            args = (requests, train, self.caller, request)
+        else:
+            self._pulls += 1
+            args = (requests, train, self._anonymous, self._pulls)
+        if requests and self._sharing():
+            assert self.pool is not None
+            tables = list(requests)
+            ids_bytes = sum(ids.nbytes for ids in requests.values())
+            sent = self.pool.write({str(i): requests[name] for i, name in enumerate(tables)})
+            reply = self.pool.reserve(int(ids_bytes * self._reply_ratio) + 4096)
+            if sent is not None and reply is not None:
+                assert sent.arrays is not None and reply.reply is not None
+                shared = SharedRequest(tables, sent.arrays, reply.reply)
+                return self._submit(
+                    "pull", (shared, *args[1:]), plain_args=args, messages=(sent, reply), tables=tables
+                )
+            for message in (sent, reply):
+                if message is not None:
+                    self.pool.release(message)
+        return self._submit("pull", args)
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
-        return self._submit("push", (trainer, request_id, step, gradients))
+        args = (trainer, request_id, step, gradients)
+        plain = all(isinstance(grads, np.ndarray) for _, grads in gradients.values())
+        if gradients and plain and self._sharing():
+            assert self.pool is not None
+            tables = list(gradients)
+            arrays: dict[str, np.ndarray] = {}
+            for i, name in enumerate(tables):
+                ids, grads = gradients[name]
+                arrays[f"{i}/ids"], arrays[f"{i}/grads"] = ids, np.asarray(grads)
+            sent = self.pool.write(arrays)
+            if sent is not None:
+                assert sent.arrays is not None
+                shared = SharedGradients(tables, sent.arrays)
+                return self._submit(
+                    "push", (trainer, request_id, step, shared), plain_args=args, messages=(sent,)
+                )
+        return self._submit("push", args)
 
     def prefetch(self, requests: dict[str, np.ndarray]) -> int:
         """Tell the shard a coming training pull's ids (`ShardActor.prefetch`), not waiting for it:
@@ -233,8 +358,22 @@ class RayConnection:
         self.actor.prefetch.remote(requests)
         return 0
 
-    def _submit(self, method: str, args: tuple[Any, ...]) -> _RayPending:
-        pending = _RayPending(self, method, args)
+    def _sharing(self) -> bool:
+        """Whether calls go through shared memory: the shard runs on this machine."""
+        if self.pool is None:
+            return False
+        if self._same_machine is None:
+            import ray
+
+            try:
+                where = ray.get(self.actor.location.remote(), timeout=RESTART_WAIT_S)
+                self._same_machine = where["node_id"] == ray.get_runtime_context().get_node_id()
+            except Exception:  # noqa: BLE001 - its own calls raise what is wrong with the shard
+                return False
+        return self._same_machine
+
+    def _submit(self, method: str, args: tuple[Any, ...], **shared: Any) -> _RayPending:
+        pending = _RayPending(self, method, args, **shared)
         self._outstanding.append(pending)
         return pending
 
@@ -250,10 +389,47 @@ class RayConnection:
                     raise
                 self._resend_failed()
                 continue
+            except SharedMemoryUnavailable:
+                self._resend_plain()
+                continue
             if pending in self._outstanding:
                 self._outstanding.remove(pending)
-            return value
+            return self._answer(pending, value)
         raise AssertionError("unreachable")
+
+    def _answer(self, pending: _RayPending, value: Any) -> Any:
+        """The call's answer: a shared-memory reply read in place; the call's segments released."""
+        messages, pending.messages = pending.messages, ()
+        for message in messages:
+            assert self.pool is not None
+            self.pool.release(message)
+        if isinstance(value, SharedArrays):
+            assert self.pool is not None and pending.tables is not None
+            arrays = self.pool.read(messages[-1], value)
+            return {name: arrays[name] for name in pending.tables if name in arrays}
+        if pending.tables is not None and isinstance(value, dict):  # the rows did not fit: learn their size
+            ids_bytes = sum(array.nbytes for array in pending.plain_args[0].values())  # type: ignore[index]
+            rows_bytes = sum(array.nbytes for array in value.values())
+            self._reply_ratio = max(self._reply_ratio, rows_bytes / max(ids_bytes, 1) * 1.1)
+        return value
+
+    def _resend_plain(self) -> None:
+        """The shard cannot open this connection's segments: send every kept call that used them and
+        failed again with its arrays, in submission order, and stop using shared memory."""
+        import ray
+
+        if self._same_machine:
+            logger.warning("shard cannot open this trainer's shared memory: sending arrays through Ray")
+        self._same_machine = False
+        for pending in self._outstanding:
+            if pending.plain_args is None:
+                continue
+            try:
+                ray.get(pending.ref)
+            except SharedMemoryUnavailable:
+                pending.resend_plain()
+            except Exception:  # noqa: BLE001 - its own error is raised when its result is asked for
+                continue
 
     def _resend_failed(self) -> None:
         """Wait until every kept call has an answer or has failed, then send the failed ones again, in
@@ -274,6 +450,14 @@ class RayConnection:
         for pending in failed:
             pending.resend()
             self.resent += 1
+
+
+def _segment_prefix() -> str:
+    """This connection's segment names: the Ray job's prefix (`job_prefix`) and a unique part."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id() if ray.is_initialized() else "nojob"
+    return job_prefix(job) + uuid.uuid4().hex[:12]
 
 
 # How long a caller waits for a shard that Ray is restarting to answer again.

@@ -27,6 +27,7 @@ from psrec.config import ConfigError, RunConfig
 from psrec.embedding.tiered_table import tier_rates
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
+from psrec.ps.shared_arrays import unlink_job_segments
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement, trainer_failover, trainer_scaling
 from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray
@@ -552,6 +553,7 @@ class RayRuntime(RuntimeBase):
         for actor in [*self.trainers, *self.shards]:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
+        unlink_job_segments(ray.get_runtime_context().get_job_id())  # a killed trainer's, on this machine
         self._trainer_group.remove()
         failover = getattr(self, "_failover", None)
         if failover is not None:

@@ -155,7 +155,9 @@ class TrainerWorker:
             connections: list[ShardConnection] = [
                 LocalConnection(s)
                 if isinstance(s, ParameterShard)
-                else RayConnection(s, caller=f"trainer-{trainer_index}")
+                else RayConnection(
+                    s, caller=f"trainer-{trainer_index}", shared_memory=self.config.ps.shared_memory
+                )
                 for s in shards
             ]
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
@@ -245,7 +247,10 @@ class TrainerWorker:
         """Route through `shards` with `bucket_map` from the next step on (the shard count changes
         while training, `psrec.train.scaling`); returns the version now in use."""
         connections: list[ShardConnection] = [
-            LocalConnection(s) if isinstance(s, ParameterShard) else RayConnection(s) for s in shards
+            LocalConnection(s)
+            if isinstance(s, ParameterShard)
+            else RayConnection(s, shared_memory=self.config.ps.shared_memory)
+            for s in shards
         ]
         self.client.client.set_routing(connections, bucket_map, version=version)
         return self.client.client.routing_version
@@ -298,6 +303,10 @@ class TrainerWorker:
 
     def shutdown(self) -> None:
         self._close_runner()
+        client = getattr(getattr(self, "client", None), "client", None)
+        for connection in getattr(client, "connections", ()):
+            if isinstance(connection, RayConnection):
+                connection.close()  # its shared-memory segments
         if self._reader is not None:
             self._reader.close()
         if dist.is_initialized():
