@@ -252,6 +252,8 @@ class _RayPending:
         self.plain_args = plain_args
         self.messages = messages
         self.tables = tables  # a shared pull's tables, in the order of its reply's keys
+        self.answered = False
+        self.answer: Any = None  # a shared reply, once read
         self.ref = getattr(connection.actor, method).remote(*args)
 
     def resend(self) -> None:
@@ -398,15 +400,18 @@ class RayConnection:
         raise AssertionError("unreachable")
 
     def _answer(self, pending: _RayPending, value: Any) -> Any:
-        """The call's answer: a shared-memory reply read in place; the call's segments released."""
-        messages, pending.messages = pending.messages, ()
-        for message in messages:
-            assert self.pool is not None
-            self.pool.release(message)
+        """The call's answer: a shared-memory reply read in place (kept with the call, so asking
+        again gets the same arrays and they hold the segment); the call's segments released."""
+        if pending.answered:
+            return pending.answer
+        messages = pending.messages
+        pending.release()
         if isinstance(value, SharedArrays):
             assert self.pool is not None and pending.tables is not None
             arrays = self.pool.read(messages[-1], value)
-            return {name: arrays[name] for name in pending.tables if name in arrays}
+            value = {name: arrays[name] for name in pending.tables if name in arrays}
+            pending.answered, pending.answer = True, value
+            return value
         if pending.tables is not None and isinstance(value, dict):  # the rows did not fit: learn their size
             ids_bytes = sum(array.nbytes for array in pending.plain_args[0].values())  # type: ignore[index]
             rows_bytes = sum(array.nbytes for array in value.values())

@@ -135,6 +135,8 @@ def _steps(connection: Any) -> list[dict[str, np.ndarray]]:
         ids = {"t": np.unique(rng.integers(0, 5000, 3000)), "u": np.unique(rng.integers(0, 50, 40))}
         pulled = connection.pull(ids, train=True, request=step + 1)
         rows = {name: np.array(values) for name, values in pulled.result().items()}
+        for name, values in pulled.result().items():  # asked again: the same rows
+            np.testing.assert_array_equal(values, rows[name])
         seen.append(rows)
         grads = {name: (ids[name], rng.normal(size=(ids[name].size, DIM)).astype(np.float32)) for name in ids}
         assert connection.push(0, step, step, grads).result()
