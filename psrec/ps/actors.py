@@ -69,8 +69,8 @@ class SharedRequest:
     ids: SharedArrays
     reply: ReplySpace
 
-    def load(self) -> dict[str, np.ndarray]:
-        arrays = self.ids.load()
+    def load(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        arrays = self.ids.load(copy=copy)
         return {name: arrays[str(i)] for i, name in enumerate(self.tables)}
 
 
@@ -81,8 +81,8 @@ class SharedGradients:
     tables: list[str]
     arrays: SharedArrays
 
-    def load(self) -> TableGradients:
-        arrays = self.arrays.load()
+    def load(self, *, copy: bool = True) -> TableGradients:
+        arrays = self.arrays.load(copy=copy)
         return {name: (arrays[f"{i}/ids"], arrays[f"{i}/grads"]) for i, name in enumerate(self.tables)}
 
 
@@ -141,7 +141,14 @@ class ShardActor:
         reply: ReplySpace | None = None
         if isinstance(requests, SharedRequest):
             reply = requests.reply
-            requests = requests.load()
+            # a logged shard keeps its replies' ids and rows; an unlogged one nothing of the call
+            requests = requests.load(copy=self.logged is not None)
+            if self.logged is None and self.wire_precision == "fp32":
+                placed = self._rows_space(requests, reply)
+                if placed is not None:
+                    shared, out = placed
+                    self.shard.pull(requests, train=train, out=out)
+                    return shared
         if self.logged is not None:
             rows = self.logged.pull(requests, train=train, caller=caller, request=request)
         else:
@@ -158,12 +165,26 @@ class ShardActor:
     def push(
         self, trainer: int, request_id: int, step: int, gradients: TableGradients | SharedGradients
     ) -> bool:
-        if isinstance(gradients, SharedGradients):
-            gradients = gradients.load()
+        if isinstance(gradients, SharedGradients):  # a push held for a sync step's others is copied
+            gradients = gradients.load(copy=not self.shard.applies_pushes_at_once)
         if self.logged is not None:  # logged as it arrived (wire precision), decoded when applied
             return self.logged.push(trainer, request_id, step, dict(gradients))
         decoded = {name: (ids, decode_gradients(grads)) for name, (ids, grads) in gradients.items()}
         return self.shard.push(trainer, request_id, step, decoded)
+
+    def _rows_space(
+        self, requests: dict[str, np.ndarray], reply: ReplySpace
+    ) -> tuple[SharedArrays, dict[str, np.ndarray]] | None:
+        """Float32 rows of every table's ids in the reply segment, or None where they do not fit (or
+        a table is unknown: the pull names it in its error)."""
+        if not requests.keys() <= self.shard.tables.keys():
+            return None
+        return reply.place(
+            {
+                name: ((ids.shape[0], self.shard.tables[name].dim), np.dtype(np.float32))
+                for name, ids in requests.items()
+            }
+        )
 
     def call(self, method: str, *args: Any) -> Any:
         """Run one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots, learning rate)."""

@@ -149,7 +149,7 @@ class ParameterShard:
                 raise ValueError(
                     f"push to table {name!r}: {ids.shape[0]} ids but {grads.shape[0]} gradient rows"
                 )
-        if self.mode == "async" or self.num_trainers == 1:
+        if self.applies_pushes_at_once:
             self.last_request[trainer] = request_id
             for name, (ids, grads) in gradients.items():
                 self._update(name, ids, grads, step)
@@ -173,6 +173,12 @@ class ParameterShard:
         if len(pending.trainers) == self.num_trainers:
             self._apply(pending)
         return True
+
+    @property
+    def applies_pushes_at_once(self) -> bool:
+        """A push is applied as it arrives (async, or one trainer); a sync step of several trainers
+        holds each push until the last one's has come."""
+        return self.mode == "async" or self.num_trainers == 1
 
     def _apply(self, pending: _PendingStep) -> None:
         # Trainers are concatenated in trainer order so the float summation order is deterministic.

@@ -10,11 +10,13 @@ trainer's connection owns and reuses; the actor call carries only their names an
 - The trainer writes a message's arrays into a free segment of its `SegmentPool` (`SharedArrays`
   names them) and sends the call; the segment is the call's until the call is answered, so a call
   sent again to a restarted shard finds the same bytes.
-- The shard copies what it reads out of the segment (`SharedArrays.load`) before it uses it, so it
-  keeps nothing in memory that the trainer will overwrite (a sync shard holds pushes until every
-  trainer's has come; a logged shard keeps its replies).
-- The shard writes the rows it answers into a reply segment the trainer reserved (`ReplySpace`);
-  the trainer reads them in place. A reply segment is reused only once the call is answered and no
+- The shard reads a message in place only where it keeps nothing of it once it has answered: a push
+  it applies as it arrives (async, or one trainer), the ids of a pull when it keeps no replies (no
+  log). Otherwise it copies them out first (`SharedArrays.load`): a sync shard of several trainers
+  holds pushes until every trainer's has come; a logged shard keeps its replies' ids and rows.
+- The shard writes the rows it answers into a reply segment the trainer reserved (`ReplySpace`),
+  gathering them there directly when it keeps no copy and sends float32; the trainer reads them in
+  place. A reply segment is reused only once the call is answered and no
   array the trainer holds still views it (CPython's reference count of the segment's buffer, as
   `psrec.allocator.ReusableBuffers` does for its arrays).
 - A shard that cannot open a segment (it runs on another machine, e.g. restarted elsewhere) raises
@@ -69,10 +71,13 @@ class SharedArrays:
     segment: str
     layout: Layout
 
-    def load(self) -> dict[str, np.ndarray]:
-        """Copies of the arrays (the segment is reused once the call is answered)."""
+    def load(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        """Copies of the arrays; with ``copy=False`` views, which the caller must not keep once it has
+        answered the call (the trainer reuses the segment then). Views stay writeable: numba compiles
+        read-only arrays as another type."""
         buffer = _buffer(_attached(self.segment))
-        return {key: _view(buffer, place).copy() for key, place in self.layout.items()}
+        views = {key: _view(buffer, place) for key, place in self.layout.items()}
+        return {key: view.copy() for key, view in views.items()} if copy else views
 
 
 @dataclass(frozen=True)
@@ -84,10 +89,26 @@ class ReplySpace:
 
     def write(self, arrays: dict[str, np.ndarray]) -> SharedArrays | None:
         """Write `arrays` into the segment; None when they do not fit (then they go through Ray)."""
-        if _layout_size(arrays) > self.capacity:
+        placed = self.place(_shapes(arrays))
+        if placed is None:
             return None
-        layout = _write(_buffer(_attached(self.segment)), arrays)
-        return SharedArrays(self.segment, layout)
+        shared, views = placed
+        for key, array in arrays.items():
+            views[key][...] = array
+        return shared
+
+    def place(
+        self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]
+    ) -> tuple[SharedArrays, dict[str, np.ndarray]] | None:
+        """Arrays of these shapes and dtypes in the segment, for the shard to fill, and what the reply
+        carries to name them; None when they do not fit."""
+        layout, size = _layout(shapes)
+        if size > self.capacity:
+            return None
+        buffer = _buffer(_attached(self.segment))
+        return SharedArrays(self.segment, layout), {
+            key: _view(buffer, place) for key, place in layout.items()
+        }
 
 
 @dataclass
@@ -125,7 +146,7 @@ class SegmentPool:
 
     def write(self, arrays: dict[str, np.ndarray]) -> Message | None:
         """A segment holding `arrays`, or None when /dev/shm has no room for a new one."""
-        segment = self._take(_layout_size(arrays))
+        segment = self._take(_layout(_shapes(arrays))[1])
         if segment is None:
             return None
         return Message(segment, arrays=SharedArrays(segment.memory.name, _write(segment.buffer, arrays)))
@@ -209,18 +230,25 @@ def _unlink_all(segments: list[_Segment]) -> None:
     segments.clear()
 
 
-def _layout_size(arrays: dict[str, np.ndarray]) -> int:
-    return sum(-(-array.nbytes // _ALIGN) * _ALIGN for array in arrays.values())
+def _shapes(arrays: dict[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    return {key: (array.shape, array.dtype) for key, array in arrays.items()}
+
+
+def _layout(shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[Layout, int]:
+    """Where each array goes (each on a 64-byte boundary) and the bytes they take."""
+    layout: Layout = {}
+    offset = 0
+    for key, (shape, dtype) in shapes.items():
+        dtype = np.dtype(dtype)
+        layout[key] = (offset, tuple(shape), dtype.str)
+        offset += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, offset
 
 
 def _write(buffer: memoryview, arrays: dict[str, np.ndarray]) -> Layout:
-    layout: Layout = {}
-    offset = 0
+    layout, _ = _layout(_shapes(arrays))
     for key, array in arrays.items():
-        place = (offset, tuple(array.shape), array.dtype.str)
-        _view(buffer, place)[...] = array
-        layout[key] = place
-        offset += -(-array.nbytes // _ALIGN) * _ALIGN
+        _view(buffer, layout[key])[...] = array
     return layout
 
 

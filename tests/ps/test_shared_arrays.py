@@ -112,19 +112,137 @@ def test_a_segment_that_is_not_on_this_machine_is_a_clear_error() -> None:
         missing.load()
 
 
-# -- through Ray ----------------------------------------------------------------------------------
+# -- a shard actor's reads and replies, in this process --------------------------------------------
 DIM = 8
 
 
-def _shard(ray: Any) -> Any:
+def _specs() -> list[Any]:
     from psrec.embedding import InitializerSpec, SparseOptimizerSpec, TableSpec
-    from psrec.ps.actors import ShardActor
 
-    specs = [
+    return [
         TableSpec(name, DIM, SparseOptimizerSpec("adagrad", lr=0.2), InitializerSpec("uniform", 0.1))
         for name in ("t", "u")
     ]
-    return ray.remote(ShardActor).options(num_cpus=0).remote(0, specs, num_trainers=1, mode="sync")
+
+
+def _local_shard(**options: Any) -> Any:
+    from psrec.ps.actors import ShardActor
+
+    return ShardActor(0, _specs(), **{"num_trainers": 1, "mode": "sync", **options})
+
+
+def _shared_push(pool: SegmentPool, gradients: dict[str, tuple[np.ndarray, np.ndarray]]) -> Any:
+    from psrec.ps.actors import SharedGradients
+
+    tables = list(gradients)
+    arrays = {}
+    for i, name in enumerate(tables):
+        arrays[f"{i}/ids"], arrays[f"{i}/grads"] = gradients[name]
+    message = pool.write(arrays)
+    assert message is not None and message.arrays is not None
+    return message, SharedGradients(tables, message.arrays)
+
+
+def _shared_pull(pool: SegmentPool, requests: dict[str, np.ndarray]) -> Any:
+    from psrec.ps.actors import SharedRequest
+
+    tables = list(requests)
+    sent = pool.write({str(i): requests[name] for i, name in enumerate(tables)})
+    reply = pool.reserve(1 << 20)
+    assert sent is not None and sent.arrays is not None and reply is not None and reply.reply is not None
+    return (sent, reply), SharedRequest(tables, sent.arrays, reply.reply)
+
+
+def _rows(pool: SegmentPool, reply: Any, answer: Any) -> dict[str, np.ndarray]:
+    if isinstance(answer, SharedArrays):
+        return {name: np.array(rows) for name, rows in pool.read(reply, answer).items()}
+    return {name: np.array(rows) for name, rows in answer.items()}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_push_the_shard_holds_is_copied_and_one_it_applies_is_read_in_place(mode: str) -> None:
+    """Two trainers: a sync shard holds trainer 0's push until trainer 1's comes, so what it holds
+    must survive the trainer reusing the segment; the rows match a twin shard sent plain arrays."""
+    rng = np.random.default_rng(5)
+    shared, plain = _local_shard(num_trainers=2, mode=mode), _local_shard(num_trainers=2, mode=mode)
+    assert shared.shard.applies_pushes_at_once is (mode == "async")
+    pool = SegmentPool()
+    ids = {"t": np.arange(0, 900, 3), "u": np.arange(20)}
+    for shard in (shared, plain):
+        shard.pull(ids, True)  # rows are made by a training pull (a push to an absent id is dropped)
+    for step in range(2):
+        for trainer in range(2):
+            grads = {
+                name: (ids[name], rng.normal(size=(ids[name].size, DIM)).astype(np.float32)) for name in ids
+            }
+            message, gradients = _shared_push(pool, grads)
+            assert shared.push(trainer, step, step, gradients)
+            pool.release(message)
+            garbage = pool.write({key: np.full_like(a, 99) for key, a in message.arrays.load().items()})
+            assert garbage is not None and garbage.segment is message.segment  # the trainer reuses it
+            pool.release(garbage)
+            assert plain.push(trainer, step, step, grads)
+    for name in ids:
+        np.testing.assert_array_equal(
+            shared.pull({name: ids[name]}, train=False)[name],
+            plain.pull({name: ids[name]}, train=False)[name],
+        )
+    pool.close()
+
+
+@pytest.mark.parametrize("wire", ["fp32", "fp16"])
+def test_an_unlogged_shard_answers_a_shared_pull_in_its_reply_segment(wire: str) -> None:
+    rng = np.random.default_rng(6)
+    shared, plain = _local_shard(wire_precision=wire), _local_shard(wire_precision=wire)
+    pool = SegmentPool()
+    for _ in range(3):
+        ids = {"t": np.unique(rng.integers(0, 5000, 700)), "u": np.unique(rng.integers(0, 50, 30))}
+        (sent, reply), request = _shared_pull(pool, ids)
+        answer = shared.pull(request, True)
+        assert isinstance(answer, SharedArrays) and answer.segment == reply.reply.segment
+        rows = _rows(pool, reply, answer)
+        expected = plain.pull(ids, True)
+        for name in ids:
+            assert rows[name].dtype == expected[name].dtype
+            np.testing.assert_array_equal(rows[name], expected[name])
+        pool.release(sent)
+        pool.release(reply)
+    pool.close()
+
+
+def test_a_logged_shard_answers_a_pull_sent_again_with_its_first_rows_after_the_segments_are_reused(
+    tmp_path: Any,
+) -> None:
+    """A logged shard keeps its replies (a pull sent again after a failure gets the same rows): what
+    it keeps is its own, not the trainer's segments, which the trainer reuses once answered."""
+    from psrec.ps.replay import prepare_fresh
+
+    prepare_fresh(tmp_path / "log")
+    shard = _local_shard(push_log=str(tmp_path / "log"))
+    pool = SegmentPool()
+    ids = {"t": np.arange(0, 600, 2), "u": np.arange(25)}
+    (sent, reply), request = _shared_pull(pool, ids)
+    first = _rows(pool, reply, shard.pull(request, True, "trainer-0", 1))
+    for message in (sent, reply):
+        pool.release(message)
+    grads = {name: (ids[name], np.ones((ids[name].size, DIM), np.float32)) for name in ids}
+    message, gradients = _shared_push(pool, grads)
+    assert shard.push(0, 0, 0, gradients)
+    garbage = pool.write({str(i): np.full_like(ids[name], -1) for i, name in enumerate(ids)})
+    assert garbage is not None and {message.segment, garbage.segment} == {sent.segment, reply.segment}
+    (sent, reply), request = _shared_pull(pool, ids)  # sent again, through other segments
+    again = _rows(pool, reply, shard.pull(request, True, "trainer-0", 1))
+    for name in ids:
+        np.testing.assert_array_equal(again[name], first[name])
+    assert not np.array_equal(shard.pull(ids, False)["t"], first["t"])  # the push did change them
+    pool.close()
+
+
+# -- through Ray ----------------------------------------------------------------------------------
+def _shard(ray: Any) -> Any:
+    from psrec.ps.actors import ShardActor
+
+    return ray.remote(ShardActor).options(num_cpus=0).remote(0, _specs(), num_trainers=1, mode="sync")
 
 
 def _steps(connection: Any) -> list[dict[str, np.ndarray]]:
