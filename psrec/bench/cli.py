@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from psrec.bench.harness import DEFAULT_SYSTEMS, SYSTEMS
+from psrec.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
 from psrec.bench.workload import Workload, parse_multi_hot
 
 

@@ -13,17 +13,9 @@ import pytest
 
 from psrec.bench import cli as commands
 from psrec.bench import harness
-from psrec.bench.harness import (
-    DEFAULT_SYSTEMS,
-    REFERENCES,
-    SYSTEMS,
-    reference,
-    resolve_systems,
-    run_bench,
-    step_profile,
-    summarize,
-)
+from psrec.bench.harness import run_bench, step_profile, summarize
 from psrec.bench.psrec_systems import _timed_rate, epoch_steps
+from psrec.bench.systems import DEFAULT_SYSTEMS, REFERENCES, SYSTEMS, reference, resolve_systems
 from psrec.bench.workload import Workload
 
 

@@ -21,7 +21,8 @@ import torch
 
 from psrec.bench import cli as commands
 from psrec.bench import tf_system
-from psrec.bench.harness import SYSTEMS, reference, run_bench, summarize
+from psrec.bench.harness import run_bench, summarize
+from psrec.bench.systems import SYSTEMS, reference
 from psrec.bench.tf_dlrm import split_batches
 from psrec.bench.workload import TensorBatch
 from tests.bench.test_bench import tiny_workload
