@@ -151,15 +151,7 @@ class TrainerWorker:
             if self.world_size == 1:
                 self._build_collective_client()
         else:
-            # A trainer's training pulls are numbered by step under its own name (its replacement's too).
-            connections: list[ShardConnection] = [
-                LocalConnection(s)
-                if isinstance(s, ParameterShard)
-                else RayConnection(
-                    s, caller=f"trainer-{trainer_index}", shared_memory=self.config.ps.shared_memory
-                )
-                for s in shards
-            ]
+            connections = self._connections(shards)
             local = all(isinstance(s, ParameterShard) for s in shards)  # nothing is serialised
             if local:  # pulls and pushes run on the training thread: input threads hold back then
                 self._input_gate = InputGate()
@@ -246,14 +238,20 @@ class TrainerWorker:
     def set_routing(self, shards: list[Any], bucket_map: np.ndarray, version: int) -> int:
         """Route through `shards` with `bucket_map` from the next step on (the shard count changes
         while training, `psrec.train.scaling`); returns the version now in use."""
-        connections: list[ShardConnection] = [
+        self.client.client.set_routing(self._connections(shards), bucket_map, version=version)
+        return self.client.client.routing_version
+
+    def _connections(self, shards: list[Any]) -> list[ShardConnection]:
+        """A connection to each shard. A trainer's training pulls are numbered by step under its own
+        name, so that a shard answers its replacement's repeated pull with the first rows."""
+        return [
             LocalConnection(s)
             if isinstance(s, ParameterShard)
-            else RayConnection(s, shared_memory=self.config.ps.shared_memory)
+            else RayConnection(
+                s, caller=f"trainer-{self.trainer_index}", shared_memory=self.config.ps.shared_memory
+            )
             for s in shards
         ]
-        self.client.client.set_routing(connections, bucket_map, version=version)
-        return self.client.client.routing_version
 
     # -- the local shard of strategy "collective" ------------------------------------------------
     def shard_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
