@@ -99,18 +99,24 @@ def init_process_group(
     local_address: str,
     listen_fd: int | None = None,
     timeout: datetime.timedelta | None = None,
+    join_timeout: datetime.timedelta | None = None,
 ) -> None:
     """Join the group whose store rank 0 serves on `master_address:master_port`.
 
     Rank 0 passes `listen_fd`, the descriptor of its `listen(master_address)` socket (the store takes
-    it over); `local_address` is this rank's own address, where its gloo device listens.
+    it over); `local_address` is this rank's own address, where its gloo device listens. `timeout`
+    bounds every collective and store operation; `join_timeout`, when given, the wait for the other
+    ranks to join instead (a rank that dies before the group is formed then fails the others' wait
+    that soon).
     """
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.distributed_c10d import _set_pg_timeout
 
     if (rank == 0) != (listen_fd is not None):
         raise ValueError(f"rank {rank}: listen_fd is the store socket of rank 0, and only of rank 0")
     timeout = timeout or default_pg_timeout
+    joining = join_timeout or timeout
     if "gloo" in backend:
         _bind(local_address, "GLOO_SOCKET_IFNAME")
     if "nccl" in backend:
@@ -120,7 +126,10 @@ def init_process_group(
         master_port,
         world_size,
         is_master=rank == 0,
-        timeout=timeout,
+        timeout=joining,
         master_listen_fd=listen_fd,
     )
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=joining)
+    if joining != timeout:
+        store.set_timeout(timeout)
+        _set_pg_timeout(timeout)

@@ -408,12 +408,20 @@ class RayRuntime(RuntimeBase):
             **routing,
         )
 
-    def form_group(self, timeout_s: float | None) -> None:
-        """Every trainer joins a new process group (the dense allreduce), trainer 0 serving its store."""
+    def form_group(self, timeout_s: float | None, join_timeout_s: float | None = None) -> None:
+        """Every trainer joins a new process group (the dense allreduce), trainer 0 serving its store.
+        When a trainer dies meanwhile, the others' calls are waited for (their wait to join fails
+        after `join_timeout_s`) before the failure is raised: they answer calls again then."""
         import ray
 
         address, port = ray.get(self.trainers[0].listen_for_group.remote(), timeout=60)
-        _get([t.init_process_group.remote(address, port, timeout_s) for t in self.trainers])
+        refs = [t.init_process_group.remote(address, port, timeout_s, join_timeout_s) for t in self.trainers]
+        try:
+            _get(refs)
+        except BaseException:
+            if join_timeout_s is not None:
+                ray.wait(refs, num_returns=len(refs), timeout=join_timeout_s + 30)
+            raise
 
     def answers(self, actor: Any, timeout: float) -> bool:
         return _answers(actor, timeout=timeout)

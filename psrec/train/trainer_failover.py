@@ -21,7 +21,8 @@ or more trainers) a trainer that dies during a chunk of steps costs no rollback:
 
 So no update is lost or applied twice, every row is consumed once, and the run ends with the
 undisturbed run's model. A second death during the replacement starts it over (each attempt spends
-one of ``fault_tolerance.max_restarts``). Whatever this cannot handle (one trainer, async mode,
+one of ``fault_tolerance.max_restarts``; a death while the group forms again holds the survivors
+up to `JOIN_TIMEOUT_S` in their wait to join). Whatever this cannot handle (one trainer, async mode,
 survivors that disagree on `T`, a dead shard at the same time, a survivor that does not return)
 re-raises the failure, and the driver rolls the whole job back as before.
 
@@ -44,7 +45,10 @@ from psrec.train.worker import ChunkResult
 logger = logging.getLogger(__name__)
 
 SETTLE_TIMEOUT_S = 120.0  # how long the survivors' calls may take to end after a trainer died
-GROUP_TIMEOUT_S = 300.0  # the re-formed group's rendezvous and collectives (a death fails them)
+GROUP_TIMEOUT_S = 300.0  # the re-formed group's collectives (a death fails them)
+# The wait to join the re-formed group: every trainer is idle then, so the group forms in seconds;
+# a trainer that dies meanwhile holds the others up this long before the failover starts over.
+JOIN_TIMEOUT_S = 30.0
 
 
 def failover_refusal(config: RunConfig) -> str | None:
@@ -123,7 +127,7 @@ class TrainerActors(Protocol):
 
     def start_trainer(self, index: int) -> Any: ...
 
-    def form_group(self, timeout_s: float | None) -> None: ...
+    def form_group(self, timeout_s: float | None, join_timeout_s: float | None = None) -> None: ...
 
     def answers(self, actor: Any, timeout: float) -> bool: ...
 
@@ -240,7 +244,7 @@ def _replace_dead(runtime: TrainerActors, parts: list[list[ChunkResult]], died_a
                 )
                 parts[index].append(partial)
                 _advance(runtime, index, partial)
-            runtime.form_group(GROUP_TIMEOUT_S)
+            runtime.form_group(GROUP_TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S)
         except (RayError, TimeoutError) as error:  # another death during the replacement: again
             logger.warning("a trainer died during the failover (%s): starting it again", error)
             continue

@@ -279,12 +279,16 @@ class TrainerWorker:
         return self._node_address(), int(self._store_listener.getsockname()[1])
 
     def init_process_group(
-        self, master_address: str, master_port: int, timeout_s: float | None = None
+        self,
+        master_address: str,
+        master_port: int,
+        timeout_s: float | None = None,
+        join_timeout_s: float | None = None,
     ) -> None:
         """Join the trainers' gloo group (dense allreduce); NCCL for GPU tensors when the model is on a
         GPU (`rendezvous.backend_for`). Trainer 0 serves the store on the socket `listen_for_group`
-        opened. `timeout_s` bounds the wait for the others (and every collective); torch's default
-        otherwise."""
+        opened. `timeout_s` bounds every collective (torch's default otherwise) and the wait for the
+        others to join, unless `join_timeout_s` bounds that."""
         listener, self._store_listener = self._store_listener, None
         rendezvous.init_process_group(
             rendezvous.backend_for(self.device.type),
@@ -295,6 +299,7 @@ class TrainerWorker:
             local_address=self._node_address(),
             listen_fd=listener.detach() if listener is not None else None,
             timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s),
+            join_timeout=None if join_timeout_s is None else datetime.timedelta(seconds=join_timeout_s),
         )
         if self.collective:
             self._build_collective_client()
