@@ -63,17 +63,17 @@ def _check_labels(labels: np.ndarray, metric: str) -> None:
         )
 
 
-def _average_ranks(values: np.ndarray) -> np.ndarray:
-    """1-based ranks of `values` (ascending), ties sharing their average rank."""
-    order = np.argsort(values, kind="mergesort")
+def _positive_rank_sum(values: np.ndarray, positive: np.ndarray) -> float:
+    """Sum of the 1-based ranks of `values` (ascending, ties sharing their average rank) where
+    `positive`. Exact (half-integers) whatever the order of `values`; the stable sort runs in about
+    linear time on values made of sorted runs (`BinaryMetricAccumulator` passes its chunks so)."""
+    order = np.argsort(values, kind="stable")
     sorted_values = values[order]
-    starts_group = np.r_[True, sorted_values[1:] != sorted_values[:-1]]
-    group = np.cumsum(starts_group) - 1
-    starts = np.flatnonzero(starts_group)
+    starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])
     ends = np.r_[starts[1:], values.size]
-    ranks = np.empty(values.size, dtype=np.float64)
-    ranks[order] = ((starts + ends - 1) / 2 + 1)[group]
-    return ranks
+    positives_before = np.r_[0, np.cumsum(positive[order], dtype=np.int64)]
+    positives_per_tie = positives_before[ends] - positives_before[starts]
+    return float((((starts + ends - 1) / 2 + 1) * positives_per_tie).sum())
 
 
 def auc(labels: ArrayLike, scores: ArrayLike) -> float:
@@ -88,7 +88,7 @@ def auc(labels: ArrayLike, scores: ArrayLike) -> float:
     num_negative = y.size - num_positive
     if num_positive == 0 or num_negative == 0:
         return float("nan")
-    rank_sum = _average_ranks(s)[positive].sum()
+    rank_sum = _positive_rank_sum(s, positive)
     return float((rank_sum - num_positive * (num_positive + 1) / 2) / (num_positive * num_negative))
 
 
@@ -230,6 +230,9 @@ class BinaryMetricAccumulator:
             raise ValueError(f"window must be positive or None, got {window}")
         self.window = window
         self._chunks: deque[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = deque()
+        # Each chunk's (labels, probabilities) sorted by probability, made at its first `compute`:
+        # the AUC's sort then merges sorted runs instead of sorting the whole window again.
+        self._by_score: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._size = 0
 
     def __len__(self) -> int:
@@ -246,7 +249,9 @@ class BinaryMetricAccumulator:
         self._chunks.append((y, p, u))
         self._size += y.size
         while self.window is not None and self._size - self._chunks[0][0].size >= self.window:
-            self._size -= self._chunks.popleft()[0].size
+            dropped = self._chunks.popleft()
+            self._by_score.pop(id(dropped), None)
+            self._size -= dropped[0].size
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "count"[, "gauc"]} over the kept samples (the last `window` exactly)."""
@@ -256,7 +261,12 @@ class BinaryMetricAccumulator:
         p = np.concatenate([chunk[1] for chunk in self._chunks])
         start = 0 if self.window is None else max(0, y.size - self.window)
         y, p = y[start:], p[start:]
-        out = {"auc": auc(y, p), "logloss": logloss(y, p), "count": float(y.size)}
+        runs = [self._sorted(chunk) for chunk in self._chunks]
+        if start:  # only the first chunk is cut (update drops whole chunks)
+            first = self._chunks[0]
+            runs[0] = _by_probability(first[0][start:], first[1][start:])
+        by_score = (np.concatenate([run[0] for run in runs]), np.concatenate([run[1] for run in runs]))
+        out = {"auc": auc(*by_score), "logloss": logloss(y, p), "count": float(y.size)}
         if self._chunks[0][2] is not None:
             users = np.concatenate([chunk[2] for chunk in self._chunks if chunk[2] is not None])[start:]
             out["gauc"] = gauc(y, p, users)
@@ -264,7 +274,21 @@ class BinaryMetricAccumulator:
 
     def reset(self) -> None:
         self._chunks.clear()
+        self._by_score.clear()
         self._size = 0
+
+    def _sorted(
+        self, chunk: tuple[np.ndarray, np.ndarray, np.ndarray | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        key = id(chunk)  # a kept chunk is alive, so its id is its own
+        if key not in self._by_score:
+            self._by_score[key] = _by_probability(chunk[0], chunk[1])
+        return self._by_score[key]
+
+
+def _by_probability(labels: np.ndarray, probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.argsort(probabilities, kind="stable")
+    return labels[order], probabilities[order]
 
 
 class RankingMetricAccumulator:

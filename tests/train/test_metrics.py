@@ -147,6 +147,27 @@ def test_binary_accumulator_exact_and_windowed() -> None:
         windowed.update([1], [0.5])
 
 
+def test_windowed_auc_computed_after_every_update_is_that_of_the_last_window() -> None:
+    """Computed after each update (chunks sorted once and kept, the oldest cut inside a chunk, ties):
+    the AUC of exactly the last `window` samples in arrival order, equal to `auc` on them bit for bit
+    and to scikit-learn's."""
+    rng = np.random.default_rng(7)
+    windowed = BinaryMetricAccumulator(window=500)
+    labels, probabilities = [], []
+    for size in rng.integers(1, 200, 40):
+        y = rng.integers(0, 2, size).astype(np.float32)
+        p = np.round(rng.random(size), 2).astype(np.float32)  # many ties
+        labels.append(y)
+        probabilities.append(p)
+        windowed.update(y, p)
+        y_all, p_all = np.concatenate(labels)[-500:], np.concatenate(probabilities)[-500:]
+        got = windowed.compute()
+        assert got["count"] == y_all.size
+        if 0 < y_all.sum() < y_all.size:
+            assert got["auc"] == auc(y_all, p_all)
+            assert got["auc"] == pytest.approx(roc_auc_score(y_all, p_all), abs=1e-12)
+
+
 def test_ranking_accumulator() -> None:
     accumulator = RankingMetricAccumulator(ks=(10,))
     accumulator.update(np.array([0, 20]))
