@@ -232,7 +232,7 @@ class BinaryMetricAccumulator:
         self._chunks: deque[tuple[np.ndarray, np.ndarray, np.ndarray | None]] = deque()
         # Each chunk's (labels, probabilities) sorted by probability, made at its first `compute`:
         # the AUC's sort then merges sorted runs instead of sorting the whole window again.
-        self._by_score: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._runs: deque[tuple[np.ndarray, np.ndarray] | None] = deque()
         self._size = 0
 
     def __len__(self) -> int:
@@ -247,11 +247,11 @@ class BinaryMetricAccumulator:
         if self._chunks and (u is None) != (self._chunks[0][2] is None):
             raise ValueError("BinaryMetricAccumulator.update: give users with every update or with none")
         self._chunks.append((y, p, u))
+        self._runs.append(None)
         self._size += y.size
         while self.window is not None and self._size - self._chunks[0][0].size >= self.window:
-            dropped = self._chunks.popleft()
-            self._by_score.pop(id(dropped), None)
-            self._size -= dropped[0].size
+            self._size -= self._chunks.popleft()[0].size
+            self._runs.popleft()
 
     def compute(self) -> dict[str, float]:
         """{"auc", "logloss", "count"[, "gauc"]} over the kept samples (the last `window` exactly)."""
@@ -261,7 +261,12 @@ class BinaryMetricAccumulator:
         p = np.concatenate([chunk[1] for chunk in self._chunks])
         start = 0 if self.window is None else max(0, y.size - self.window)
         y, p = y[start:], p[start:]
-        runs = [self._sorted(chunk) for chunk in self._chunks]
+        runs = []
+        for index, chunk in enumerate(self._chunks):
+            run = self._runs[index]
+            if run is None:
+                run = self._runs[index] = _by_probability(chunk[0], chunk[1])
+            runs.append(run)
         if start:  # only the first chunk is cut (update drops whole chunks)
             first = self._chunks[0]
             runs[0] = _by_probability(first[0][start:], first[1][start:])
@@ -274,16 +279,8 @@ class BinaryMetricAccumulator:
 
     def reset(self) -> None:
         self._chunks.clear()
-        self._by_score.clear()
+        self._runs.clear()
         self._size = 0
-
-    def _sorted(
-        self, chunk: tuple[np.ndarray, np.ndarray, np.ndarray | None]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        key = id(chunk)  # a kept chunk is alive, so its id is its own
-        if key not in self._by_score:
-            self._by_score[key] = _by_probability(chunk[0], chunk[1])
-        return self._by_score[key]
 
 
 def _by_probability(labels: np.ndarray, probabilities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
