@@ -44,6 +44,7 @@ from psrec.train.accounting import (
     ranges_to_json,
     union_ranges,
 )
+from psrec.train.chunks import ChunkResult
 from psrec.train.data_sources import prepare_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.metrics import BinaryMetricAccumulator
@@ -52,7 +53,6 @@ from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_di
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.scaling import ScaleController
 from psrec.train.startup import paused_gc, startup_report
-from psrec.train.worker import ChunkResult
 
 logger = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.ps.shared_arrays import unlink_job_segments
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement, trainer_failover, trainer_scaling
+from psrec.train.chunks import ChunkResult
 from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray
 from psrec.train.failover import ShardFailover, call_shards
-from psrec.train.worker import ChunkResult, TrainerWorker
+from psrec.train.worker import TrainerWorker
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from psrec.config import RunConfig
-from psrec.train.worker import ChunkResult
+from psrec.train.chunks import ChunkResult
 
 logger = logging.getLogger(__name__)
 

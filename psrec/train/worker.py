@@ -14,8 +14,6 @@ import datetime
 import logging
 import os
 import socket
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +32,7 @@ from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders
+from psrec.train.chunks import ChunkResult, ChunkSoFar
 from psrec.train.device import host_copy
 from psrec.train.lookup import BatchLookup
 from psrec.train.runner import Runner
@@ -41,46 +40,6 @@ from psrec.train.startup import paused_gc
 from psrec.train.step import StepRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ChunkResult:
-    """What a trainer did in one `train_steps` call."""
-
-    steps: int
-    samples: int
-    loss_sum: float  # sum over samples of the loss
-    scores: np.ndarray
-    labels: np.ndarray
-    row_ids: np.ndarray  # global row indices consumed (exact-once accounting)
-    exhausted: bool  # the epoch's data of this trainer is used up
-    phase_seconds: dict[str, float]
-    bytes_pulled: int
-    bytes_pushed: int
-    # since the previous chunk: malformed rows skipped, units not read to their end, bytes and rows
-    # lost with them, dense values filled or clipped (`INPUT_COUNTS`), and the failed units themselves
-    input_counts: dict[str, int] = field(default_factory=dict)
-    failed_units: list[dict[str, Any]] = field(default_factory=list)
-    first_step_at: float | None = None  # wall clock when the chunk's first step ended
-    # where the trainer stands after it (`TrainerWorker.checkpoint_state`): step, epoch, reader position
-    state: dict[str, Any] | None = None
-
-
-@dataclass
-class _ChunkSoFar:
-    """The steps of a chunk done so far (kept on the trainer, so a chunk a failure cut short still
-    reports the steps it completed: `TrainerWorker.abort_chunk`)."""
-
-    steps: int = 0
-    samples: int = 0
-    loss_sum: float = 0.0
-    scores: list[np.ndarray] = field(default_factory=list)
-    labels: list[np.ndarray] = field(default_factory=list)
-    row_ids: list[np.ndarray] = field(default_factory=list)
-    first_step_at: float | None = None
-    phases: dict[str, float] = field(default_factory=dict)  # the runner's phase times at its start
-    pulled: int = 0
-    pushed: int = 0
 
 
 # The reader's counters of bad input (`BatchReader.stats`) that travel to the driver's summary.
@@ -363,28 +322,14 @@ class TrainerWorker:
         for result in run:
             steps += 1
             self.step = result.step + 1
-            chunk.steps += 1
-            if chunk.first_step_at is None:
-                chunk.first_step_at = time.time()
-            n = result.labels.shape[0]
-            if n:
-                chunk.samples += n
-                chunk.loss_sum += result.loss * n
-                if result.scores.ndim == 2:  # ranking models: [positive, negative] logits per sample
-                    chunk.scores.append(1 / (1 + np.exp(-result.scores.reshape(-1))))
-                    chunk.labels.append(np.tile(np.array([1.0, 0.0], np.float32), n))
-                else:
-                    chunk.scores.append(result.scores)
-                    chunk.labels.append(result.labels)
-                if result.row_ids is not None:
-                    chunk.row_ids.append(result.row_ids)
+            chunk.record(result)
         return self._take_chunk(exhausted=steps < max_steps)
 
-    def _new_chunk(self) -> _ChunkSoFar:
+    def _new_chunk(self) -> ChunkSoFar:
         runner = getattr(self, "runner", None)
         if runner is None:  # strategy "collective" builds its runner with the process group
-            return _ChunkSoFar()
-        return _ChunkSoFar(
+            return ChunkSoFar()
+        return ChunkSoFar(
             phases=dict(runner.timer.seconds),
             pulled=self.client.bytes_pulled,
             pushed=self.client.bytes_pushed,

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from psrec.train.chunks import ChunkResult
 from psrec.train.trainer_failover import NoFailover, common_step, failover_refusal, merge_chunks
-from psrec.train.worker import ChunkResult
 from tests.conftest import small_run_config
 
 SOURCES: dict[str, Any] = {"train": {"format": "parquet", "paths": ["x.parquet"]}}
