@@ -133,9 +133,9 @@ def start_ray(
         "include_dashboard": False,
         "log_to_driver": log_to_driver,
         "configure_logging": False,
-        # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
-        "runtime_env": {"env_vars": {**_wait_policy(omp_passive), **malloc_environment()}},
     }
+    # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
+    workers_environment = {**_wait_policy(omp_passive), **malloc_environment()}
     try:
         if address is None:
             # Ray starts workers at nice 15; on a shared machine the trainer then starves.
@@ -143,9 +143,13 @@ def start_ray(
             if actors is not None:
                 for name, value in _actor_start_settings(actors, num_cpus).items():
                     os.environ.setdefault(name, value)
-            with _loopback_node():
+            # The workers inherit the raylet's environment: a job runtime_env would hold every
+            # worker's start until the runtime-env agent is up (docs/benchmarks.md, "Start-up").
+            with _loopback_node(), _environment(workers_environment):
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
-        elif _loopback_address(address):
+            return
+        kwargs["runtime_env"] = {"env_vars": workers_environment}
+        if _loopback_address(address):
             # a cluster on this machine's loopback: Ray would swap 127.0.0.1 for a routable address
             with _loopback_node():
                 ray.init(address=address, **kwargs)
@@ -210,18 +214,29 @@ def _loopback_node() -> Iterator[None]:
     """
     from ray._private import ray_constants
 
-    previous_variable = os.environ.get(SINGLE_MACHINE_VARIABLE)
     previous_constant = ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[SINGLE_MACHINE_VARIABLE] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        with _environment({SINGLE_MACHINE_VARIABLE: "0"}):
+            yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous_constant
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set `variables` in this process's environment (so the processes it starts get them) and
+    restore the earlier values afterwards."""
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = previous_constant
-        if previous_variable is None:
-            os.environ.pop(SINGLE_MACHINE_VARIABLE, None)
-        else:
-            os.environ[SINGLE_MACHINE_VARIABLE] = previous_variable
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def check_ray_version(version: str) -> None:

@@ -131,6 +131,42 @@ def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> 
     assert lines == {"mode": "True", "file": "0o600", "worker": "token"}, done.stdout
 
 
+@pytest.mark.ray
+def test_embedded_cluster_workers_inherit_the_settings_without_a_runtime_env(tmp_path: Path) -> None:
+    """In a fresh process whose environment has neither variable: every worker gets the OpenMP wait
+    policy and the allocator settings, the job has no runtime_env (which would hold each worker's
+    start until Ray's runtime-env agent is up), and the driver's own environment is as before."""
+    names = ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PSREC_MALLOC_TUNING")
+    env = {name: value for name, value in os.environ.items() if name not in names}
+    script = textwrap.dedent(
+        """
+        import os
+        import ray
+        from psrec.allocator import SETTINGS
+        from psrec.train.cluster import start_ray
+
+        start_ray(None, num_cpus=1, log_to_driver=False)
+        try:
+            names = ["OMP_WAIT_POLICY", *SETTINGS]
+            print("worker", ray.get(ray.remote(lambda: [os.environ.get(n) for n in names]).remote()))
+            print("driver", [os.environ.get(n) for n in names])
+            print("runtime_env", dict(ray.get_runtime_context().runtime_env))
+        finally:
+            ray.shutdown()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    assert lines == {
+        "worker": str(["PASSIVE", str(32 << 20), str(1 << 30)]),
+        "driver": str([None, None, None]),
+        "runtime_env": "{}",
+    }, done.stdout
+
+
 def _job_pids() -> list[int]:
     """This driver and every process it started (GCS, raylet, agents, workers: all its descendants)."""
     import importlib
