@@ -145,7 +145,7 @@ def start_ray(
                     os.environ.setdefault(name, value)
             # The workers inherit the raylet's environment: a job runtime_env would hold every
             # worker's start until the runtime-env agent is up (docs/benchmarks.md, "Start-up").
-            with _loopback_node(), _environment(workers_environment):
+            with _loopback_node(), _environment(workers_environment), _without_api_server():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
             return
         kwargs["runtime_env"] = {"env_vars": workers_environment}
@@ -221,6 +221,33 @@ def _loopback_node() -> Iterator[None]:
             yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = previous_constant
+
+
+@contextlib.contextmanager
+def _without_api_server() -> Iterator[None]:
+    """Start the embedded cluster without Ray's API server process.
+
+    With the dashboard off, Ray's head still starts `dashboard.py` with only its usage-statistics
+    module loaded, and `ray.init` waits for it to come up before it starts the raylet: about 0.6 s
+    on 2 cores (docs/benchmarks.md, "Start-up"). Nothing of it serves the embedded cluster (its
+    web UI, state and job APIs are not loaded either way), so its start is skipped here, as Ray
+    itself skips the web address on a minimal install: the node gets an empty dashboard address.
+    """
+    from ray._private import services
+
+    start = getattr(services, "start_api_server", None)
+    if start is None:  # another Ray layout: start what it starts
+        yield
+        return
+    services.start_api_server = _no_api_server
+    try:
+        yield
+    finally:
+        services.start_api_server = start
+
+
+def _no_api_server(*args: Any, **kwargs: Any) -> tuple[str, None]:
+    return "", None  # (dashboard address, process): what Ray's start_api_server returns
 
 
 @contextlib.contextmanager

@@ -132,10 +132,11 @@ def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> 
 
 
 @pytest.mark.ray
-def test_embedded_cluster_workers_inherit_the_settings_without_a_runtime_env(tmp_path: Path) -> None:
+def test_embedded_cluster_starts_lean_and_its_workers_inherit_the_settings(tmp_path: Path) -> None:
     """In a fresh process whose environment has neither variable: every worker gets the OpenMP wait
     policy and the allocator settings, the job has no runtime_env (which would hold each worker's
-    start until Ray's runtime-env agent is up), and the driver's own environment is as before."""
+    start until Ray's runtime-env agent is up), the driver's own environment is as before, and no
+    API server process (`dashboard.py`, which `ray.init` waits for) was started."""
     names = ("OMP_WAIT_POLICY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "PSREC_MALLOC_TUNING")
     env = {name: value for name, value in os.environ.items() if name not in names}
     script = textwrap.dedent(
@@ -151,6 +152,10 @@ def test_embedded_cluster_workers_inherit_the_settings_without_a_runtime_env(tmp
             print("worker", ray.get(ray.remote(lambda: [os.environ.get(n) for n in names]).remote()))
             print("driver", [os.environ.get(n) for n in names])
             print("runtime_env", dict(ray.get_runtime_context().runtime_env))
+            import psutil
+            commands = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+            print("api_server", any("dashboard/dashboard.py" in c for c in commands))
+            print("raylet", any("raylet" in c for c in commands))
         finally:
             ray.shutdown()
         """
@@ -164,6 +169,8 @@ def test_embedded_cluster_workers_inherit_the_settings_without_a_runtime_env(tmp
         "worker": str(["PASSIVE", str(32 << 20), str(1 << 30)]),
         "driver": str([None, None, None]),
         "runtime_env": "{}",
+        "api_server": "False",
+        "raylet": "True",
     }, done.stdout
 
 
