@@ -211,18 +211,10 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
 
 def _start_ray_with(environment: dict[str, str], cpus: int | None) -> None:
     """The embedded cluster, its processes started with ``environment`` (this process's is restored)."""
-    from psrec.train.cluster import start_ray
+    from psrec.train.cluster import environment_set, start_ray
 
-    saved = {name: os.environ.get(name) for name in environment}
-    os.environ.update(environment)
-    try:
+    with environment_set(environment):
         start_ray(None, num_cpus=cpus)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _check_proxy_middleware(url: str) -> None:

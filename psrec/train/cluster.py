@@ -145,7 +145,7 @@ def start_ray(
                     os.environ.setdefault(name, value)
             # The workers inherit the raylet's environment: a job runtime_env would hold every
             # worker's start until the runtime-env agent is up (docs/benchmarks.md, "Start-up").
-            with _loopback_node(), _environment(workers_environment), _without_api_server():
+            with _loopback_node(), environment_set(workers_environment), _without_api_server():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
             return
         kwargs["runtime_env"] = {"env_vars": workers_environment}
@@ -217,7 +217,7 @@ def _loopback_node() -> Iterator[None]:
     previous_constant = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        with _environment({SINGLE_MACHINE_VARIABLE: "0"}):
+        with environment_set({SINGLE_MACHINE_VARIABLE: "0"}):
             yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = previous_constant
@@ -228,7 +228,7 @@ def _without_api_server() -> Iterator[None]:
     """Start the embedded cluster without Ray's API server process.
 
     With the dashboard off, Ray's head still starts `dashboard.py` with only its usage-statistics
-    module loaded, and `ray.init` waits for it to come up before it starts the raylet: about 0.6 s
+    module loaded, and `ray.init` waits for it to come up before it starts the raylet: 0.6-0.8 s
     on 2 cores (docs/benchmarks.md, "Start-up"). Nothing of it serves the embedded cluster (its
     web UI, state and job APIs are not loaded either way), so its start is skipped here, as Ray
     itself skips the web address on a minimal install: the node gets an empty dashboard address.
@@ -251,7 +251,7 @@ def _no_api_server(*args: Any, **kwargs: Any) -> tuple[str, None]:
 
 
 @contextlib.contextmanager
-def _environment(variables: dict[str, str]) -> Iterator[None]:
+def environment_set(variables: dict[str, str]) -> Iterator[None]:
     """Set `variables` in this process's environment (so the processes it starts get them) and
     restore the earlier values afterwards."""
     previous = {name: os.environ.get(name) for name in variables}

@@ -100,6 +100,15 @@ def test_joining_without_a_token_fails_before_connecting(
     cluster.check_token(address)
 
 
+def _run_fresh(script: str, env: dict[str, str], cwd: Path) -> tuple[dict[str, str], str]:
+    """Run `script` in a fresh Python process; its "NAME VALUE" lines as a dict, and its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line), done.stdout
+
+
 @pytest.mark.ray
 def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> None:
     """In a fresh process (Ray caches the token it read): RAY_AUTH_MODE=disabled in the environment and
@@ -123,12 +132,8 @@ def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> 
             ray.shutdown()
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
-    assert lines == {"mode": "True", "file": "0o600", "worker": "token"}, done.stdout
+    lines, stdout = _run_fresh(script, env, tmp_path)
+    assert lines == {"mode": "True", "file": "0o600", "worker": "token"}, stdout
 
 
 @pytest.mark.ray
@@ -160,18 +165,14 @@ def test_embedded_cluster_starts_lean_and_its_workers_inherit_the_settings(tmp_p
             ray.shutdown()
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
+    lines, stdout = _run_fresh(script, env, tmp_path)
     assert lines == {
         "worker": str(["PASSIVE", str(32 << 20), str(1 << 30)]),
         "driver": str([None, None, None]),
         "runtime_env": "{}",
         "api_server": "False",
         "raylet": "True",
-    }, done.stdout
+    }, stdout
 
 
 def _job_pids() -> list[int]:
