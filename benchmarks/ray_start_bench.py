@@ -41,7 +41,7 @@ ROUND = textwrap.dedent(
         cluster._without_api_server = contextlib.nullcontext
     if way == "runtime-env":
         init = ray.init
-        settings = {**cluster._wait_policy(True), **cluster.malloc_environment()}
+        settings = cluster._workers_environment(True)
 
         def with_runtime_env(*args, **kwargs):
             return init(*args, runtime_env={"env_vars": settings}, **kwargs)

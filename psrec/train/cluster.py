@@ -79,11 +79,20 @@ def start_ray_importing(config: RunConfig, module: str) -> bool:
             failed.append(error)
 
     loader = threading.Thread(target=load, name=f"import {module}", daemon=True)
-    loader.start()
-    try:
-        start_ray(config.ps.address, **ray_start_arguments(config))
-    finally:
-        loader.join()
+    arguments = ray_start_arguments(config)
+    prepared: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if config.ps.address is None:
+        # The variables the embedded start sets are in place before the thread starts: glibc's
+        # getenv (the imported libraries read their settings) is not safe beside a setenv that adds
+        # a name; start_ray then only replaces values.
+        enable_token_auth()
+        prepared = environment_set(_embedded_environment(**arguments))
+    with prepared:
+        loader.start()
+        try:
+            start_ray(config.ps.address, **arguments)
+        finally:
+            loader.join()
     if failed:
         ray.shutdown()
         raise failed[0]
@@ -134,21 +143,13 @@ def start_ray(
         "log_to_driver": log_to_driver,
         "configure_logging": False,
     }
-    # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
-    workers_environment = {**_wait_policy(omp_passive), **malloc_environment()}
     try:
         if address is None:
-            # Ray starts workers at nice 15; on a shared machine the trainer then starves.
-            os.environ.setdefault("RAY_worker_niceness", "0")
-            if actors is not None:
-                for name, value in _actor_start_settings(actors, num_cpus).items():
-                    os.environ.setdefault(name, value)
-            # The workers inherit the raylet's environment: a job runtime_env would hold every
-            # worker's start until the runtime-env agent is up (docs/benchmarks.md, "Start-up").
-            with _loopback_node(), environment_set(workers_environment), _without_api_server():
+            environment = _embedded_environment(num_cpus=num_cpus, actors=actors, omp_passive=omp_passive)
+            with _loopback_node(), environment_set(environment), _without_api_server():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
             return
-        kwargs["runtime_env"] = {"env_vars": workers_environment}
+        kwargs["runtime_env"] = {"env_vars": _workers_environment(omp_passive)}
         if _loopback_address(address):
             # a cluster on this machine's loopback: Ray would swap 127.0.0.1 for a routable address
             with _loopback_node():
@@ -180,6 +181,31 @@ def same_cluster(address: str, gcs_address: str) -> bool:
             return host, port
 
     return endpoint(address) == endpoint(gcs_address)
+
+
+def _embedded_environment(
+    *, num_cpus: int | None, actors: int | None, omp_passive: bool = True
+) -> dict[str, str]:
+    """The environment `start_ray(None)` starts the embedded cluster's processes with (the raylet,
+    and through it every worker); Ray's settings already set in this process win.
+
+    The workers inherit the raylet's environment: a job runtime_env would hold every worker's start
+    until Ray's runtime-env agent is up (docs/benchmarks.md, "Start-up").
+    """
+    # Ray starts workers at nice 15; on a shared machine the trainer then starves.
+    ray_settings = {"RAY_worker_niceness": "0"}
+    if actors is not None:
+        ray_settings |= _actor_start_settings(actors, num_cpus)
+    return {
+        **{name: os.environ.get(name, value) for name, value in ray_settings.items()},
+        SINGLE_MACHINE_VARIABLE: "0",
+        **_workers_environment(omp_passive),
+    }
+
+
+def _workers_environment(omp_passive: bool) -> dict[str, str]:
+    # Actors share cores: OpenMP waiters must sleep, not spin (see psrec.cli.main).
+    return {**_wait_policy(omp_passive), **malloc_environment()}
 
 
 def _actor_start_settings(actors: int, num_cpus: int | None) -> dict[str, str]:

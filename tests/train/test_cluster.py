@@ -109,6 +109,37 @@ def _run_fresh(script: str, env: dict[str, str], cwd: Path) -> tuple[dict[str, s
     return dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line), done.stdout
 
 
+def test_the_embedded_start_sets_its_variables_before_the_import_thread_starts(
+    no_token: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`start_ray_importing` on the embedded cluster: the module imported beside Ray's start finds
+    every variable the start sets already in place (a setenv adding a name beside the libraries'
+    getenv is not thread-safe), and this process's environment is as before afterwards."""
+    from psrec.config import load_config
+
+    names = ["RAY_worker_niceness", "RAY_worker_maximum_startup_concurrency", "OMP_WAIT_POLICY"]
+    for name in [*names, cluster.SINGLE_MACHINE_VARIABLE]:
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "psrec_env_probe.py").write_text("import os\nSEEN = dict(os.environ)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    started: list[dict[str, str]] = []
+    monkeypatch.setattr(cluster, "start_ray", lambda *args, **kwargs: started.append(dict(os.environ)))
+    config = load_config(Path(__file__).parents[2] / "examples" / "quickstart.yaml")
+    try:
+        assert cluster.start_ray_importing(config, "psrec_env_probe")
+        seen = sys.modules["psrec_env_probe"].SEEN
+    finally:
+        sys.modules.pop("psrec_env_probe", None)
+    assert {name: seen.get(name) for name in names} == {
+        "RAY_worker_niceness": "0",
+        "RAY_worker_maximum_startup_concurrency": str(max(3, os.cpu_count() or 1)),  # 1 + 2 actors
+        "OMP_WAIT_POLICY": "PASSIVE",
+    }
+    assert seen[cluster.SINGLE_MACHINE_VARIABLE] == "0" and seen["RAY_AUTH_MODE"] == "token"
+    assert started and started[0][cluster.SINGLE_MACHINE_VARIABLE] == "0"
+    assert not any(name in os.environ for name in [*names, cluster.SINGLE_MACHINE_VARIABLE])
+
+
 @pytest.mark.ray
 def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> None:
     """In a fresh process (Ray caches the token it read): RAY_AUTH_MODE=disabled in the environment and
@@ -264,7 +295,7 @@ def test_the_embedded_cluster_starts_every_actor_at_once_and_no_idle_worker() ->
     settings = cluster._actor_start_settings(3, num_cpus=2)
     assert settings == {
         "RAY_prestart_worker_first_driver": "0",
-        "RAY_worker_maximum_startup_concurrency": "3",
+        "RAY_worker_maximum_startup_concurrency": str(max(3, os.cpu_count() or 1)),  # 1 + 2 actors
     }
     assert cluster._actor_start_settings(1, num_cpus=4)["RAY_worker_maximum_startup_concurrency"] == "4"
 
