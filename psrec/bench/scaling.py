@@ -27,12 +27,10 @@ of every Ray layout the report holds against the model, and the predictions for 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 INFINITE_BANDWIDTH = float("inf")
@@ -315,26 +313,6 @@ def format_predictions(table: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _layouts(text: str) -> list[tuple[int, int]]:
-    try:
-        pairs = [tuple(int(n) for n in part.lower().split("x")) for part in text.split(",") if part]
-    except ValueError:
-        pairs = []
-    if not pairs or any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
-        raise argparse.ArgumentTypeError(f"expected layouts like 8x4,32x16, got {text!r}")
-    return [(pair[0], pair[1]) for pair in pairs]
-
-
-def _speeds(text: str) -> list[float]:
-    try:
-        speeds = [float(part) for part in text.split(",") if part]
-    except ValueError:
-        speeds = []
-    if not speeds or min(speeds) <= 0:
-        raise argparse.ArgumentTypeError(f"expected link speeds in Gb/s like 10,100, got {text!r}")
-    return speeds
-
-
 def scaling_report(
     reports: list[dict[str, Any]],
     cores: float,
@@ -365,23 +343,7 @@ def scaling_report(
     return "\n".join(parts)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m psrec.bench.scaling",
-        description="The scaling model's inputs, check and cluster predictions from `psrec bench --json` reports.",
-    )
-    parser.add_argument("reports", nargs="+", help="bench reports (--json) of one workload")
-    parser.add_argument("--cores", type=float, default=2.0, help="cores the measured layouts shared")
-    parser.add_argument("--layouts", type=_layouts, default=list(DEFAULT_LAYOUTS), help="e.g. 8x4,32x16")
-    parser.add_argument("--gbps", type=_speeds, default=list(DEFAULT_GBPS), help="link speeds, Gb/s")
-    parser.add_argument(
-        "--queued-gbps", type=_speeds, default=list(QUEUED_GBPS), help="link speeds of the rpc-queued bound"
-    )
-    args = parser.parse_args(argv)
-    reports = [json.loads(Path(path).read_text()) for path in args.reports]
-    print(scaling_report(reports, args.cores, args.layouts, args.gbps, args.queued_gbps))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from psrec.bench.cli import scaling_main  # the command line lives in the CLI layer
+
+    sys.exit(scaling_main())
