@@ -40,20 +40,26 @@ class _ModelConfigBase(BaseModel):
 
     # The sizes (passed by `build_model`) the constructor of its model (`model_class`) takes.
     size_arguments: ClassVar[tuple[SizeArgument, ...]] = ALL_SIZES
+    # Whether its model takes `ModelInput.linear` (the model class's own `uses_linear_terms`), known
+    # without importing the model: the driver of a Ray run lays out the tables without torch.
+    uses_linear_terms: ClassVar[bool] = False
 
 
 class LRConfig(_ModelConfigBase):
     name: Literal["lr"] = "lr"
+    uses_linear_terms = True
     size_arguments = ("num_dense",)
 
 
 class FMConfig(_ModelConfigBase):
     name: Literal["fm"] = "fm"
+    uses_linear_terms = True
     size_arguments = ("num_dense", "embedding_dim")
 
 
 class WideDeepConfig(_ModelConfigBase):
     name: Literal["wide_deep"] = "wide_deep"
+    uses_linear_terms = True
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = False
@@ -62,6 +68,7 @@ class WideDeepConfig(_ModelConfigBase):
 
 class DeepFMConfig(_ModelConfigBase):
     name: Literal["deepfm"] = "deepfm"
+    uses_linear_terms = True
     hidden_sizes: HiddenSizes = [400, 400, 400]
     activation: Activation = "relu"
     batch_norm: bool = True
@@ -151,8 +158,8 @@ def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRe
 
 
 def uses_linear_terms(config: ModelConfig) -> bool:
-    """Whether the model `config` describes needs ``ModelInput.linear`` (without building it)."""
-    return model_class(config).uses_linear_terms
+    """Whether the model `config` describes needs ``ModelInput.linear`` (without importing it)."""
+    return config.uses_linear_terms
 
 
 def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:

@@ -1,7 +1,9 @@
 """Builders: map the validated run config to plain constructor arguments of library objects.
 
 This is the one place where `RunConfig` meets the embedding engine, the shard, the client and the
-models, so every other module takes plain arguments.
+models, so every other module takes plain arguments. torch is imported only by the functions that build
+the dense model and its optimizer: the driver of a Ray run maps the config to its shards' tables
+without it, and starts its cluster and actors before (or without) importing torch.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import os
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from psrec.config import ConfigError, InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
 from psrec.embedding import (
@@ -28,10 +29,12 @@ from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
 from psrec.ps.routing import default_bucket_map
-from psrec.train.dense_optimizer import DenseOptimizer
 
 if TYPE_CHECKING:
+    import torch
+
     from psrec.parallel.placement import Placement
+    from psrec.train.dense_optimizer import DenseOptimizer
 
 
 def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
@@ -196,6 +199,8 @@ def compile_dense_model(model: torch.nn.Module) -> torch.nn.Module:
     compiles 2 graphs per method at most. Compiling happens lazily, at the first call (seconds), and
     needs a C++ compiler (inductor's CPU backend).
     """
+    import torch
+
     for name in COMPILED_METHODS:
         setattr(model, name, torch.compile(getattr(model, name)))
     return model
@@ -210,6 +215,8 @@ def training_device(config: RunConfig) -> torch.device:
     """The trainer's device for ``training.device`` (`psrec.train.device.resolve_device`), resolved in
     the trainer's own process: a Ray trainer sees only the GPUs Ray gave it. The default, cpu, does
     not touch CUDA at all. ConfigError for cuda where there is none."""
+    import torch
+
     from psrec.train.device import resolve_device
 
     if config.training.device == "cpu":
@@ -222,6 +229,8 @@ def training_device(config: RunConfig) -> torch.device:
 
 def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> DenseOptimizer:
     """torch.optim's Adam / Adagrad / SGD update, without importing torch's compiler (dense_optimizer.py)."""
+    from psrec.train.dense_optimizer import DenseOptimizer
+
     spec = config.training.dense_optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     return DenseOptimizer(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from psrec.train.step import StepResult
+if TYPE_CHECKING:
+    from psrec.train.step import StepResult
 
 
 @dataclass

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     started_ray = False
     try:
         with paused_gc():
-            if config.ps.runtime == "ray":  # Ray starts while this process imports torch and the rest
+            if config.ps.runtime == "ray":  # Ray starts while this process imports the training code
                 from psrec.train.cluster import start_ray_importing
 
                 started_ray = start_ray_importing(config, "psrec.train.loop")

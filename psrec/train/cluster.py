@@ -61,9 +61,8 @@ def start_ray_importing(config: RunConfig, module: str) -> bool:
     True when this call started Ray (its caller then shuts it down), False when it was up already.
 
     `ray.init` runs on the main thread (it installs signal handlers there) and mostly waits for the
-    processes it starts (GCS, raylet, agents); the driver's own imports (torch alone about 1 s) run
-    in the meantime instead of before (docs/benchmarks.md, "Start-up"). An import error is raised
-    here, after Ray's start.
+    processes it starts (GCS, raylet, agents); the driver's own imports run in the meantime instead
+    of before (docs/benchmarks.md, "Start-up"). An import error is raised here, after Ray's start.
     """
     import ray
 

@@ -33,21 +33,26 @@ training runs.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+    ArrayLike = np.ndarray | torch.Tensor | Sequence[float]
 
 Ties = Literal["pessimistic", "optimistic"]
-ArrayLike = np.ndarray | torch.Tensor | Sequence[float]
 
 LOGLOSS_EPSILON = 1e-7
 
 
 def _as_numpy(values: ArrayLike, dtype: type = np.float64) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
+    torch = sys.modules.get("torch")  # no tensor exists where torch is not imported (a Ray driver)
+    if torch is not None and isinstance(values, torch.Tensor):
         values = values.detach().to("cpu").numpy()
     return np.asarray(values, dtype=dtype).reshape(-1)
 
@@ -148,6 +153,8 @@ def gauc(labels: ArrayLike, scores: ArrayLike, users: ArrayLike) -> float:
 
 def sampled_ranks(scores: np.ndarray | torch.Tensor, *, ties: Ties = "pessimistic") -> np.ndarray:
     """0-based rank (B,) of column 0 (the target) among the C columns of a (B, C) score matrix."""
+    import torch
+
     s = torch.as_tensor(scores).detach()
     if s.ndim != 2 or s.shape[1] < 1:
         raise ValueError(f"sampled_ranks: scores must be (B, C) with C >= 1, got {tuple(s.shape)}")
@@ -171,6 +178,8 @@ def full_ranks(
     ``seen`` (B, N) bool marks items to exclude (the user's history, padding item 0, ...); the target
     column is never excluded, even when marked.
     """
+    import torch
+
     s = torch.as_tensor(scores).detach()
     t = torch.as_tensor(targets, device=s.device).long().reshape(-1)
     if s.ndim != 2 or t.numel() != s.shape[0]:

@@ -8,14 +8,40 @@ written. View with ``tensorboard --logdir RUN_DIR/tensorboard``.
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
-def summary_writer(run_dir: Path) -> Any:
-    """A TensorBoard `SummaryWriter` into RUN_DIR/tensorboard, or None without TensorBoard.
+class ScalarWriter:
+    """Scalars into one TensorBoard event file, written by TensorBoard's own `EventFileWriter` (the
+    writer `torch.utils.tensorboard.SummaryWriter` wraps, and the same records: ``simple_value``
+    summaries, the same file name, queue and flush interval), without importing torch: the driver of
+    a Ray run starts its cluster and actors without torch, and trains to the end without it."""
+
+    def __init__(self, directory: Path) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self._writer = EventFileWriter(str(directory))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(self._event(summary=summary, wall_time=time.time(), step=int(step)))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def summary_writer(run_dir: Path) -> ScalarWriter | None:
+    """A TensorBoard writer into RUN_DIR/tensorboard, or None without TensorBoard.
 
     The writer writes local files only (a run directory in a store gets them uploaded by the driver),
     so TensorBoard is imported without its S3 support: its file layer imports boto3 when it can,
@@ -26,13 +52,12 @@ def summary_writer(run_dir: Path) -> Any:
     if blocked:
         sys.modules["boto3"] = None  # type: ignore[assignment]  # `import boto3` raises ImportError
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        return ScalarWriter(run_dir / "tensorboard")
     except ImportError:  # pragma: no cover - tensorboard is a dependency
         return None
     finally:
         if blocked:
             del sys.modules["boto3"]
-    return SummaryWriter(str(run_dir / "tensorboard"))
 
 
 def write_scalars(writer: Any, prefix: str, values: dict[str, Any], step: int) -> None:

@@ -5,7 +5,8 @@ and the Ray runtime runs it as an actor (`ray.remote(TrainerWorker)`) with shard
 driver calls `train_steps(n)` on every trainer together; in between it evaluates, checkpoints and
 reports progress, so those happen at step boundaries. The dense model lives on ``training.device``
 (`psrec.train.device`); the state a trainer hands out (checkpoints, snapshots, replicas) is in host
-memory whatever that device.
+memory whatever that device. torch is imported when a trainer is built, not with this module: the
+driver of a Ray run imports it to start the trainers' actors, and runs without torch.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
@@ -33,11 +32,12 @@ from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import set_thread_counts
 from psrec.train import builders
 from psrec.train.chunks import ChunkResult, ChunkSoFar
-from psrec.train.device import host_copy
-from psrec.train.lookup import BatchLookup
-from psrec.train.runner import Runner
 from psrec.train.startup import paused_gc
-from psrec.train.step import StepRunner
+
+if TYPE_CHECKING:
+    import torch
+
+    from psrec.train.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,19 @@ INPUT_COUNTS = (
     "dense_values_filled",
     "dense_values_clipped",
 )
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _host_copy(value: Any) -> Any:
+    from psrec.train.device import host_copy
+
+    return host_copy(value)
 
 
 class TrainerWorker:
@@ -69,6 +82,8 @@ class TrainerWorker:
     ) -> None:
         self.config = config  # validated once by the driver; Ray pickles it to the actor
         set_thread_counts(self.config.ps.trainer_resources.threads)
+        import torch  # here, not at the module's import: the driver of a Ray run imports this module
+
         torch.manual_seed(self.config.training.seed)  # identical dense init on every trainer
         self.trainer_index = trainer_index
         self.world_size = self.config.ps.num_trainers
@@ -142,6 +157,9 @@ class TrainerWorker:
         return bool(getattr(self.model, "uses_linear_terms", False))
 
     def _build_runner(self, client: EmbeddingClient) -> None:
+        from psrec.train.lookup import BatchLookup
+        from psrec.train.step import StepRunner
+
         training = self.config.training
         lookup = self.client = BatchLookup(
             client,
@@ -271,8 +289,7 @@ class TrainerWorker:
                 connection.close()  # its shared-memory segments
         if self._reader is not None:
             self._reader.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
 
     # -- training ------------------------------------------------------------------------------
     def _close_runner(self) -> None:
@@ -363,8 +380,7 @@ class TrainerWorker:
         """After a chunk a dead trainer cut short: leave the broken group, hand over the steps that
         completed (`partial`) and where they left this trainer (`state`), and reopen the reader
         there (the read-ahead is dropped). Called again, it hands over nothing more."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
         partial = self._take_chunk(exhausted=False)
         position = self.runner.trained_position
         if position is None:
@@ -378,7 +394,7 @@ class TrainerWorker:
         """This trainer's dense replica: the model, its optimizer and its snapshots."""
         return {
             "model": self.dense_state(),
-            "optimizer": host_copy(self.optimizer.state_dict()),
+            "optimizer": _host_copy(self.optimizer.state_dict()),
             "snapshots": self._snapshots,
         }
 
@@ -411,10 +427,11 @@ class TrainerWorker:
         """Train as one of `config.ps.num_trainers` trainers from the next step on (trainers added or
         removed between steps, `psrec.train.trainer_scaling`): leave the process group (it is formed
         again with the new world size); `take_over` then opens this trainer's new share of the data."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_process_group()
         self.config = config
         self.world_size = config.ps.num_trainers
+        from psrec.train.step import StepRunner
+
         assert isinstance(self.runner, StepRunner), (
             "strategy 'ps' without a pipeline changes its trainer count"
         )
@@ -502,8 +519,8 @@ class TrainerWorker:
 
     def save_snapshot(self, tag: str) -> None:
         self._snapshots[tag] = {
-            "model": host_copy(dict(self.model.state_dict())),
-            "optimizer": host_copy(self.optimizer.state_dict()),
+            "model": _host_copy(dict(self.model.state_dict())),
+            "optimizer": _host_copy(self.optimizer.state_dict()),
         }
 
     def restore_snapshot(self, tag: str) -> None:
@@ -522,7 +539,7 @@ class TrainerWorker:
 
     def dense_checkpoint(self) -> dict[str, Any]:
         """The dense model and optimizer state (identical on every trainer after the allreduce)."""
-        return {"model": self.dense_state(), "optimizer": host_copy(self.optimizer.state_dict())}
+        return {"model": self.dense_state(), "optimizer": _host_copy(self.optimizer.state_dict())}
 
     def restore(self, dense: dict[str, Any] | None, state: dict[str, Any] | None) -> None:
         """Resume from a checkpoint: dense state, step, and this trainer's epoch and reader position."""
