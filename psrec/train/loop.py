@@ -161,7 +161,7 @@ def train(
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
-        with paused_gc():  # trainers import torch._dynamo with their optimizer (see paused_gc)
+        with paused_gc():  # an in-process trainer imports torch and builds its model (see paused_gc)
             runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
     try:  # the run's set-up succeeded: only now is the run directory touched
         apply_run_dir_plan(plan)
