@@ -45,7 +45,7 @@ from psrec.train.accounting import (
     union_ranges,
 )
 from psrec.train.chunks import ChunkResult
-from psrec.train.data_sources import prepare_data
+from psrec.train.data_sources import start_preparing_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
@@ -156,14 +156,17 @@ def train(
     except (storage.StorageError, checkpoint.CheckpointError) as error:
         raise ConfigError(f"run_dir {str(run_dir)!r} cannot be read: {error}") from None
     plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints), resume=resume)
-    sources = prepare_data(config, base_dir=Path(base_dir))
+    data = start_preparing_data(config, base_dir=Path(base_dir))  # rows not cached: on a thread
+    sources = data.sources
     _check_stored_sources(sources)
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
         with paused_gc():  # an in-process trainer imports torch and builds its model (see paused_gc)
             runtime = make_runtime(config, base_dir=str(base_dir), data_sources=sources)
-    try:  # the run's set-up succeeded: only now is the run directory touched
+    try:
+        data.wait()  # the trainers open the data once the driver starts the first epoch
+        # the run's set-up succeeded: only now is the run directory touched
         apply_run_dir_plan(plan)
         write_text(
             run_dir / "config.json", json.dumps(config.model_dump(mode="json", by_alias=True), indent=2)
