@@ -22,7 +22,6 @@ integers, in TSV or Parquet. Everything is deterministic across processes, runs 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,25 +30,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from psrec.data.namespaces import namespace_seed, namespace_tag
+
 VALUE_BITS = 48
 VALUE_MASK = (1 << VALUE_BITS) - 1
 MAX_PASSTHROUGH_ID = 1 << VALUE_BITS  # exclusive
-NUM_TAGS = (1 << 15) - 1
 
 _FNV_PRIME = 0x100000001B3
 _MASK64 = (1 << 64) - 1
-
-
-def namespace_tag(namespace: str) -> int:
-    """The 15-bit tag in [1, 32767] that occupies bits 48-62 of every id hashed in `namespace`."""
-    digest = hashlib.blake2b(namespace.encode("utf-8"), digest_size=8, person=b"psrec-tag").digest()
-    return 1 + int.from_bytes(digest, "little") % NUM_TAGS
-
-
-def namespace_seed(namespace: str) -> int:
-    """The 64-bit FNV-1a starting state for values hashed in `namespace`."""
-    digest = hashlib.blake2b(namespace.encode("utf-8"), digest_size=8, person=b"psrec-seed").digest()
-    return int.from_bytes(digest, "little")
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

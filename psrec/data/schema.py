@@ -37,7 +37,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from psrec.data.feature_hashing import namespace_tag
+from psrec.data.namespaces import namespace_tag
 
 CRITEO_LABEL = "label"
 CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))

@@ -177,10 +177,12 @@ def test_build_model_checks_sizes() -> None:
 
 def test_model_configs_validate_without_torch() -> None:
     """`psrec train` validates the run's config and lays out its tables (which need the model's
-    linear terms) without torch: the driver of a Ray run starts its cluster and actors without it."""
+    linear terms) without torch: the driver of a Ray run starts its cluster and actors without it.
+    The schema's namespaces validate without numba: the config is loaded before Ray's start."""
     code = (
         "import sys; from psrec.config import parse_config; from psrec.models.config import uses_linear_terms; "
         "config = parse_config({'data': {'synthetic': {}}, 'model': {'name': 'deepfm'}}); "
-        "assert 'torch' not in sys.modules; assert uses_linear_terms(config.model) and 'torch' not in sys.modules"
+        "assert 'torch' not in sys.modules; assert uses_linear_terms(config.model) and 'torch' not in sys.modules; "
+        "assert config.feature_schema().sparse and 'numba' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
