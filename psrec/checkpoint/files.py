@@ -195,10 +195,10 @@ def read_arrays(path: Location) -> dict[str, np.ndarray]:
     return read_npz(io.BytesIO(path.read_bytes()) if isinstance(path, StoragePath) else path)
 
 
-def write_torch_state(
-    path: Location, state: Mapping[str, Any], *, sync_directory: bool = True
-) -> tuple[str, int] | None:
-    """Store a (nested) state dict of tensors and plain values; see `read_torch_state`."""
+def torch_state_bytes(state: Mapping[str, Any]) -> bytes:
+    """A (nested) state dict of tensors and plain values as `torch.save` writes it, checked to load
+    back with ``weights_only`` (TypeError otherwise). A trainer serialises its own dense state with
+    it, so that the driver writes the checkpoint without importing torch."""
     import torch  # shard processes never write dense state and start without torch
 
     buffer = io.BytesIO()
@@ -214,7 +214,16 @@ def write_torch_state(
             "dense state must hold only tensors and plain Python values (it is read back with "
             f"torch.load(weights_only=True)): {detail.split('. Please')[0]}"
         ) from None
-    return atomic_write_bytes(path, buffer.getvalue(), sync_directory=sync_directory)
+    return buffer.getvalue()
+
+
+def write_torch_state(
+    path: Location, state: Mapping[str, Any] | bytes, *, sync_directory: bool = True
+) -> tuple[str, int] | None:
+    """Store a (nested) state dict of tensors and plain values, or its `torch_state_bytes`; see
+    `read_torch_state`."""
+    data = state if isinstance(state, bytes) else torch_state_bytes(state)
+    return atomic_write_bytes(path, data, sync_directory=sync_directory)
 
 
 def read_torch_state(path: Location) -> dict[str, Any]:

@@ -136,7 +136,7 @@ def commit_checkpoint(
     pending: PendingCheckpoint,
     *,
     shard_files: dict[int, FileRecord],
-    dense: dict[str, Any],
+    dense: dict[str, Any] | bytes,
     trainers: list[dict[str, Any]],
     extra: dict[str, Any],
     config: dict[str, Any],
@@ -145,7 +145,9 @@ def commit_checkpoint(
 ) -> CheckpointRef:
     """Write the dense and trainer state, move ``pending`` into place and write its manifest (the commit).
 
-    ``shard_files`` must hold the record of every `write_shard` call; see `save_checkpoint` for the rest.
+    ``shard_files`` must hold the record of every `write_shard` call; ``dense`` is the state dict or
+    its `files.torch_state_bytes` (a trainer's own, serialised where torch is); see
+    `save_checkpoint` for the rest.
     """
     try:
         return _commit(
@@ -166,7 +168,7 @@ def _commit(
     pending: PendingCheckpoint,
     *,
     shard_files: dict[int, FileRecord],
-    dense: dict[str, Any],
+    dense: dict[str, Any] | bytes,
     trainers: list[dict[str, Any]],
     extra: dict[str, Any],
     config: dict[str, Any],

@@ -537,9 +537,14 @@ class TrainerWorker:
             position = self._reader.position()
         return {"trainer": self.trainer_index, "step": self.step, "epoch": self.epoch, "position": position}
 
-    def dense_checkpoint(self) -> dict[str, Any]:
-        """The dense model and optimizer state (identical on every trainer after the allreduce)."""
-        return {"model": self.dense_state(), "optimizer": _host_copy(self.optimizer.state_dict())}
+    def dense_checkpoint(self) -> bytes:
+        """The dense model and optimizer state (identical on every trainer after the allreduce),
+        serialised here: the driver writes it into the checkpoint without importing torch."""
+        from psrec.checkpoint.files import torch_state_bytes
+
+        return torch_state_bytes(
+            {"model": self.dense_state(), "optimizer": _host_copy(self.optimizer.state_dict())}
+        )
 
     def restore(self, dense: dict[str, Any] | None, state: dict[str, Any] | None) -> None:
         """Resume from a checkpoint: dense state, step, and this trainer's epoch and reader position."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from psrec.train import builders
 from psrec.train.loop import train
 from psrec.train.startup import paused_gc
 from tests.conftest import small_run_config
@@ -75,13 +76,14 @@ def test_psrec_train_starts_its_cluster_while_it_imports(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
     """`psrec train` on the embedded cluster (in a fresh process): Ray starts while the driver imports
-    its training code (`start_ray_importing`), the run trains and evaluates, the driver shuts the
-    cluster it started down, and it never imported torch: only the trainer's process needs it, and
-    the driver's import of torch beside Ray's start held Ray's start back by about a second."""
+    its training code (`start_ray_importing`), the run trains, evaluates and checkpoints, the driver
+    shuts the cluster it started down, and it never imported torch: only the trainer's process needs
+    it (it serialises the checkpoint's dense state), and the driver's import of torch beside Ray's
+    start held Ray's start back by about a second."""
     config = small_run_config(
         synthetic_sources,
         tmp_path / "run",
-        **{"ps.runtime": "ray", "training.max_steps": 2, "checkpoint.enabled": False},
+        **{"ps.runtime": "ray", "training.max_steps": 2},
     )
     path = tmp_path / "run.json"  # JSON is YAML
     path.write_text(json.dumps(config.model_dump(mode="json", by_alias=True)))
@@ -101,6 +103,13 @@ def test_psrec_train_starts_its_cluster_while_it_imports(
     assert summary["steps"] == 2 and summary["startup"]["seconds_to_first_step"] > 0
     assert summary["validation"]["rows"] > 0 and 0 < summary["validation"]["auc"] < 1
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    from psrec import checkpoint
+
+    latest = checkpoint.list_checkpoints(tmp_path / "run")[-1]
+    dense = checkpoint.load_checkpoint(latest).dense
+    assert latest.step == 2 and set(dense) == {"model", "optimizer"}
+    model = builders.build_model_for(config)
+    model.load_state_dict(dense["model"])  # the trainer's dense state, as the driver wrote it
 
 
 def test_a_local_run_does_not_import_the_compiler(synthetic_sources: dict[str, Any], tmp_path: Path) -> None:
