@@ -33,9 +33,6 @@ class ScalarWriter:
         summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
         self._writer.add_event(self._event(summary=summary, wall_time=time.time(), step=int(step)))
 
-    def flush(self) -> None:
-        self._writer.flush()
-
     def close(self) -> None:
         self._writer.close()
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
 from psrec.data.reader import PreparedCache, open_reader
@@ -427,11 +428,11 @@ class TrainerWorker:
         """Train as one of `config.ps.num_trainers` trainers from the next step on (trainers added or
         removed between steps, `psrec.train.trainer_scaling`): leave the process group (it is formed
         again with the new world size); `take_over` then opens this trainer's new share of the data."""
+        from psrec.train.step import StepRunner
+
         _leave_process_group()
         self.config = config
         self.world_size = config.ps.num_trainers
-        from psrec.train.step import StepRunner
-
         assert isinstance(self.runner, StepRunner), (
             "strategy 'ps' without a pipeline changes its trainer count"
         )
@@ -540,8 +541,6 @@ class TrainerWorker:
     def dense_checkpoint(self) -> bytes:
         """The dense model and optimizer state (identical on every trainer after the allreduce),
         serialised here: the driver writes it into the checkpoint without importing torch."""
-        from psrec.checkpoint.files import torch_state_bytes
-
         return torch_state_bytes(
             {"model": self.dense_state(), "optimizer": _host_copy(self.optimizer.state_dict())}
         )
