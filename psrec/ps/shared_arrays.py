@@ -35,6 +35,7 @@ trainer's connection owns and reuses; the actor call carries only their names an
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import uuid
@@ -146,10 +147,12 @@ class SegmentPool:
 
     def write(self, arrays: dict[str, np.ndarray]) -> Message | None:
         """A segment holding `arrays`, or None when /dev/shm has no room for a new one."""
-        segment = self._take(_layout(_shapes(arrays))[1])
+        layout, nbytes = _layout(_shapes(arrays))
+        segment = self._take(nbytes)
         if segment is None:
             return None
-        return Message(segment, arrays=SharedArrays(segment.memory.name, _write(segment.buffer, arrays)))
+        _write(segment.buffer, arrays, layout)
+        return Message(segment, arrays=SharedArrays(segment.memory.name, layout))
 
     def reserve(self, nbytes: int) -> Message | None:
         """A segment of at least `nbytes` for a reply, or None."""
@@ -235,21 +238,20 @@ def _shapes(arrays: dict[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], n
 
 
 def _layout(shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> tuple[Layout, int]:
-    """Where each array goes (each on a 64-byte boundary) and the bytes they take."""
+    """Where each array goes (each on a 64-byte boundary) and the bytes they take. Plain Python
+    arithmetic: a push lays out two arrays per table on every step."""
     layout: Layout = {}
     offset = 0
     for key, (shape, dtype) in shapes.items():
         dtype = np.dtype(dtype)
         layout[key] = (offset, tuple(shape), dtype.str)
-        offset += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        offset += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
     return layout, offset
 
 
-def _write(buffer: memoryview, arrays: dict[str, np.ndarray]) -> Layout:
-    layout, _ = _layout(_shapes(arrays))
+def _write(buffer: memoryview, arrays: dict[str, np.ndarray], layout: Layout) -> None:
     for key, array in arrays.items():
         _view(buffer, layout[key])[...] = array
-    return layout
 
 
 def _view(buffer: memoryview, place: tuple[int, tuple[int, ...], str]) -> np.ndarray:
