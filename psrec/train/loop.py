@@ -566,8 +566,12 @@ class Driver:
             "tables": self.runtime.table_stats(),
             "placement": self.runtime.placement,
         }
+        last = state.history[-1] if state.history else {}
+        if best_model in ("last", "lost") and last.get("step") == state.step:
+            # the model the epoch's end evaluated, nothing trained since: its metrics
+            summary["validation"] = {k: v for k, v in last.items() if k not in ("step", "epoch")}
         for split in ("validation", "test"):
-            if split in self.sources:
+            if split in self.sources and split not in summary:
                 summary[split] = evaluation_metrics(self.runtime.evaluate(split))
         return summary
 
