@@ -178,8 +178,7 @@ def train(
     # TensorBoard writes local files: for a run_dir in a store they go to a local temporary
     # directory, uploaded to RUN_DIR/tensorboard when the run ends.
     local_events = None if isinstance(run_dir, Path) else Path(tempfile.mkdtemp(prefix="psrec-events-"))
-    with paused_gc():  # imports TensorBoard
-        writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
+    writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
     try:
         driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
         summary = driver.run(resume=plan.resume)
