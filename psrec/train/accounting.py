@@ -22,7 +22,7 @@ def id_ranges(ids: np.ndarray) -> np.ndarray:
     """(K, 2) sorted, disjoint, non-adjacent [start, stop) ranges covering exactly the ids' values."""
     # Sorted, repeats kept (a gap of 0 stays inside its range): np.unique, which hashes, took 10-20x
     # a sort on the distinct ids of a run's rows.
-    values = np.sort(np.asarray(ids, dtype=np.int64))
+    values = np.sort(np.asarray(ids, dtype=np.int64).ravel())
     if values.size == 0:
         return EMPTY.copy()
     breaks = np.flatnonzero(np.diff(values) > 1) + 1
