@@ -308,7 +308,8 @@ class Driver:
                         break
                 if self._due(self.config.checkpoint.every_steps) and not exhausted:
                     self._checkpoint()
-            if not state.stopped and "validation" in self.sources:
+            evaluated = bool(state.history) and state.history[-1]["step"] == state.step  # this model
+            if not state.stopped and "validation" in self.sources and not evaluated:
                 state.stopped = self._evaluate_and_decide()
             state.epoch_done = True
             self._checkpoint()

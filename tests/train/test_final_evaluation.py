@@ -1,6 +1,7 @@
-"""The run summary's validation metrics: those of the model the run ends with, scored by scikit-learn
-on that model's own predictions, and not evaluated a second time when the epoch's end has just
-evaluated the same model (a validation set of millions of rows makes that a long wait).
+"""Validation during and after a run: each model evaluated once, and the summary's metrics those of
+the model the run ends with, scored by scikit-learn on that model's own predictions. A second
+evaluation of the same model costs a pass over the validation set (millions of rows on real data)
+and, under early stopping, counts as one more evaluation without improvement.
 
 Run: ``python -m pytest tests/train/test_final_evaluation.py -q``.
 """
@@ -69,4 +70,19 @@ def test_a_restored_best_model_is_evaluated_again(synthetic_sources: dict[str, A
     for metric in ("auc", "logloss", "rows"):  # the same model: the same metrics as when it was best
         assert summary["validation"][metric] == pytest.approx(best[metric], abs=1e-9)
     # `parts` is of the restored best model too (evaluated again after the run)
+    _assert_metrics_of(summary["validation"], parts)
+
+
+def test_an_epochs_end_on_a_periodic_evaluation_is_not_evaluated_again(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    # 24,000 rows in batches of 240: 100 steps an epoch, evaluations due every 50, the 2nd on the end
+    summary, calls, parts = _run(
+        synthetic_sources,
+        tmp_path / "run",
+        **{"training.batch_size": 240, "training.epochs": 2, "training.eval_every_steps": 50},
+    )
+    assert summary["steps"] == 200
+    assert [entry["step"] for entry in summary["history"]] == [50, 100, 150, 200]
+    assert calls == ["validation"] * 4
     _assert_metrics_of(summary["validation"], parts)
