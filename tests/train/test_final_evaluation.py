@@ -76,13 +76,13 @@ def test_a_restored_best_model_is_evaluated_again(synthetic_sources: dict[str, A
 def test_an_epochs_end_on_a_periodic_evaluation_is_not_evaluated_again(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
-    # 24,000 rows in batches of 240: 100 steps an epoch, evaluations due every 50, the 2nd on the end
+    # 24,000 rows in batches of 480: 50 steps an epoch, evaluations due every 25, the 2nd on the end
     summary, calls, parts = _run(
         synthetic_sources,
         tmp_path / "run",
-        **{"training.batch_size": 240, "training.epochs": 2, "training.eval_every_steps": 50},
+        **{"training.batch_size": 480, "training.epochs": 2, "training.eval_every_steps": 25},
     )
-    assert summary["steps"] == 200
-    assert [entry["step"] for entry in summary["history"]] == [50, 100, 150, 200]
+    assert summary["steps"] == 100
+    assert [entry["step"] for entry in summary["history"]] == [25, 50, 75, 100]
     assert calls == ["validation"] * 4
     _assert_metrics_of(summary["validation"], parts)
