@@ -308,8 +308,7 @@ class Driver:
                         break
                 if self._due(self.config.checkpoint.every_steps) and not exhausted:
                     self._checkpoint()
-            evaluated = bool(state.history) and state.history[-1]["step"] == state.step  # this model
-            if not state.stopped and "validation" in self.sources and not evaluated:
+            if not state.stopped and "validation" in self.sources and self._evaluated_now() is None:
                 state.stopped = self._evaluate_and_decide()
             state.epoch_done = True
             self._checkpoint()
@@ -383,6 +382,11 @@ class Driver:
         state.consumed.append((state.step, np.concatenate(row_ids)))
 
     # -- evaluation and early stopping ------------------------------------------------------------
+    def _evaluated_now(self) -> dict[str, Any] | None:
+        """The validation metrics of the model as it is, when it was evaluated at this step already."""
+        history = self.state.history
+        return history[-1] if history and history[-1]["step"] == self.state.step else None
+
     def _evaluate_and_decide(self) -> bool:
         """Evaluate on validation; track the best model; decay learning rates or stop on a plateau."""
         state = self.state
@@ -566,9 +570,8 @@ class Driver:
             "tables": self.runtime.table_stats(),
             "placement": self.runtime.placement,
         }
-        last = state.history[-1] if state.history else {}
-        if best_model in ("last", "lost") and last.get("step") == state.step:
-            # the model the epoch's end evaluated, nothing trained since: its metrics
+        last = self._evaluated_now()
+        if best_model in ("last", "lost") and last is not None:  # the model evaluated: its metrics
             summary["validation"] = {k: v for k, v in last.items() if k not in ("step", "epoch")}
         for split in ("validation", "test"):
             if split in self.sources and split not in summary:
