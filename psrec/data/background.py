@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from psrec.threads import apply_thread_counts
+
 T = TypeVar("T")
 
 _END = object()
@@ -148,6 +150,7 @@ class BackgroundIterator(Generic[T]):
 
     def _run(self) -> None:
         _PRODUCER.iterator = self
+        apply_thread_counts()  # the process's torch/numba counts hold per thread (psrec.threads)
         try:
             items = self._source()
             while True:

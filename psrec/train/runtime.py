@@ -164,6 +164,10 @@ class RuntimeBase:
     def dense_states(self) -> list[dict[str, Any]]:
         return self._all_trainers("dense_state")
 
+    def compute_settings(self) -> list[dict[str, int | str]]:
+        """Each trainer's thread counts and CPU dispatch, as its steps see them (`psrec.threads`)."""
+        return self._all_trainers("compute_settings")
+
     def save_checkpoint(
         self, run_dir: str, *, kind: str, parent: CheckpointRef | None, extra: dict[str, Any]
     ) -> CheckpointRef:

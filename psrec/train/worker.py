@@ -30,7 +30,7 @@ from psrec.ps.actors import RayConnection, actor_location
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
-from psrec.threads import set_thread_counts
+from psrec.threads import compute_settings, set_thread_counts
 from psrec.train import builders
 from psrec.train.chunks import ChunkResult, ChunkSoFar
 from psrec.train.startup import paused_gc
@@ -82,8 +82,11 @@ class TrainerWorker:
         routing_version: int = 0,
     ) -> None:
         self.config = config  # validated once by the driver; Ray pickles it to the actor
-        set_thread_counts(self.config.ps.trainer_resources.threads)
         import torch  # here, not at the module's import: the driver of a Ray run imports this module
+
+        # after torch's import: torch reads its counts when it loads, and the step's GEMMs must run
+        # with the configured count (psrec.threads: on some CPUs the bits depend on it)
+        set_thread_counts(self.config.ps.trainer_resources.threads)
 
         torch.manual_seed(self.config.training.seed)  # identical dense init on every trainer
         self.trainer_index = trainer_index
@@ -556,6 +559,10 @@ class TrainerWorker:
             return
         self.step = int(state["step"])
         self.start_epoch(int(state["epoch"]), position=state["position"])
+
+    def compute_settings(self) -> dict[str, int | str]:
+        """The thread counts and CPU dispatch this trainer's steps run with (`psrec.threads`)."""
+        return compute_settings()
 
     def pid(self) -> int:
         return os.getpid()

@@ -48,17 +48,15 @@ def train_and_keep_model(config: Any, runtime: Any, **kwargs: Any) -> FinishedRu
 
 
 def assert_same_model(run: FinishedRun, reference: FinishedRun) -> None:
-    """The final model equals the reference's (1e-6), and so does its validation."""
+    """The final model equals the reference's bit for bit, and so does its validation."""
     for metric in ("auc", "logloss"):
-        assert run.summary["validation"][metric] == pytest.approx(
-            reference.summary["validation"][metric], abs=1e-6
-        ), metric
+        assert run.summary["validation"][metric] == reference.summary["validation"][metric], metric
     for name, value in reference.dense.items():
-        torch.testing.assert_close(run.dense[name], value, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(run.dense[name], value, rtol=0, atol=0, msg=name)
     assert run.rows.keys() == reference.rows.keys()
     for table, (ids, values) in reference.rows.items():
         np.testing.assert_array_equal(run.rows[table][0], ids, err_msg=table)
-        np.testing.assert_allclose(run.rows[table][1], values, rtol=0, atol=1e-6, err_msg=table)
+        np.testing.assert_allclose(run.rows[table][1], values, rtol=0, atol=0, err_msg=table)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,8 @@ from psrec.train.lookup import batch_lookup
 from psrec.train.loop import train
 from psrec.train.step import StepRunner
 from tests.conftest import small_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +351,7 @@ def test_ray_single_trainer_sync_equals_in_process(
     """One trainer does not wait for push acknowledgements; Ray's per-caller ordering keeps it exact."""
     from psrec.train.runtime import LocalRuntime, RayRuntime
 
-    states = {}
+    states, settings = {}, {}
     for runtime_name, runtime_class in (("local", LocalRuntime), ("ray", RayRuntime)):
         config = make_config(dataset, tmp_path / runtime_name, **{"ps.runtime": runtime_name})
         runtime = runtime_class(config, base_dir=".", data_sources=dataset)
@@ -354,14 +359,52 @@ def test_ray_single_trainer_sync_equals_in_process(
             runtime.start_epoch(0)
             runtime.train_steps(8)
             states[runtime_name] = (runtime.dense_states()[0], runtime.table_rows())
+            settings[runtime_name] = runtime.compute_settings()[0]
         finally:
             runtime.shutdown()
+    # MKL's GEMMs sum in an order that depends on their thread count on some CPUs (Intel's) and not
+    # on others, and ATen's kernels differ by instruction set: the bits below can match on this
+    # machine and differ on a user's unless both trainers computed with the configured thread counts
+    # and the same dispatch, so those are checked on every machine
+    threads = config.ps.trainer_resources.threads  # 1: below a default of one per core
+    expected = {**dict.fromkeys(("torch", "openmp", "mkl", "numba"), threads)}
+    expected["cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the test process's
+    assert settings == {"local": expected, "ray": expected}
     (local_dense, local_rows), (ray_dense, ray_rows) = states["local"], states["ray"]
     for name, value in local_dense.items():
         torch.testing.assert_close(ray_dense[name], value, rtol=0, atol=0)
     for table, (ids, values) in local_rows.items():
         np.testing.assert_array_equal(ray_rows[table][0], ids)
         np.testing.assert_array_equal(ray_rows[table][1], values)
+
+
+@pytest.mark.parametrize(
+    "instructions",
+    [
+        pytest.param({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, id="avx2"),
+        pytest.param(
+            {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+            id="default",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_ray_equals_in_process_on_a_cpu_with_fewer_instructions(instructions: dict[str, str]) -> None:
+    """`test_ray_single_trainer_sync_equals_in_process` with torch's kernels dispatched as on a CPU
+    without AVX-512 (avx2) or without AVX (default), in a fresh test process and Ray cluster that
+    both take the setting from the environment: exactness must not rest on this machine's kernels."""
+    test = f"{Path(__file__).relative_to(ROOT)}::test_ray_single_trainer_sync_equals_in_process"
+    completed = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        cwd=ROOT,
+        env={**os.environ, **instructions},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
+    assert "1 passed" in completed.stdout
 
 
 def test_embedding_l2_becomes_the_embedding_tables_weight_decay_not_the_linear_ones(
