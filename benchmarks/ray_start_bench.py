@@ -2,8 +2,8 @@
 
 Each round starts a new Python process that calls `start_ray(None)` as `psrec train` does (1 trainer
 + 2 shards: 3 actors, 2 CPUs), then creates three small actors and waits until every one has run
-its `__init__`. Printed per way: seconds from the process's start to `start_ray` returning and to
-the last actor's `__init__`, medians over the rounds and each round. The ways, alternated round by
+its `__init__`. Printed per way: seconds from the round's first line to `start_ray` returning and
+to the last actor's `__init__`, medians over the rounds and each round. The ways, alternated round by
 round:
 
 - ``now``: `start_ray(None)` as it is;
@@ -27,11 +27,11 @@ import textwrap
 
 ROUND = textwrap.dedent(
     """
-    import contextlib, json, sys, time
+    import time
 
-    from psrec.train.startup import process_start_time
+    started = time.time()  # the round's first line (the wall clock, as the actors' times)
+    import contextlib, json, sys
 
-    started = process_start_time()
     way = sys.argv[1]
     import ray
 

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from importlib import import_module
 from types import FrameType
 from typing import Any
@@ -88,6 +89,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started_at = time.time()  # the command's start: `psrec train` reports its time to the first step
     # Before torch loads: OpenMP threads that spin-wait for work steal the cores that the other
     # processes of a run (shards, trainers, the data reader) need; sleeping waiters measured 3-7x
     # faster on shared cores (docs/benchmarks.md). An explicit OMP_WAIT_POLICY wins.
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
+    args.started_at = started_at
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

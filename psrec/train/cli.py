@@ -81,9 +81,15 @@ def run(args: argparse.Namespace) -> int:
             from psrec.train.loop import train
         resume = True if args.resume else None
         if args.no_progress:
-            summary = train(config, base_dir=args.data_dir, progress=_log_progress, resume=resume)
+            summary = train(
+                config,
+                base_dir=args.data_dir,
+                progress=_log_progress,
+                resume=resume,
+                started_at=args.started_at,
+            )
         else:
-            summary = _train_with_bar(config, args.data_dir, resume)
+            summary = _train_with_bar(config, args.data_dir, resume, started_at=args.started_at)
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -122,7 +128,9 @@ def _log_progress(report: dict[str, Any]) -> None:
     )
 
 
-def _train_with_bar(config: Any, data_dir: str, resume: bool | None) -> dict[str, Any]:
+def _train_with_bar(
+    config: Any, data_dir: str, resume: bool | None, *, started_at: float | None
+) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from psrec.train.loop import train
@@ -145,7 +153,7 @@ def _train_with_bar(config: Any, data_dir: str, resume: bool | None) -> dict[str
             )
             bar.update(task, total=report.get("total_steps"), completed=report["step"], status=status)
 
-        return train(config, base_dir=data_dir, progress=update, resume=resume)
+        return train(config, base_dir=data_dir, progress=update, resume=resume, started_at=started_at)
 
 
 def format_profile(summary: dict[str, Any]) -> str:

@@ -141,6 +141,7 @@ def train(
     progress: ProgressFn | None = None,
     runtime: Runtime | None = None,
     resume: bool | None = None,
+    started_at: float | None = None,
 ) -> dict[str, Any]:
     """Train as `config` says; returns (and writes to RUN_DIR/summary.json) the run summary.
 
@@ -148,6 +149,8 @@ def train(
     finished one aside to RUN_DIR-<time>; `True` always resumes from the newest valid checkpoint;
     `False` refuses a run directory that already holds checkpoints. psrec writes only into run
     directories it created (`psrec.train.run_dir`), and only once the data and runtime are set up.
+    `started_at` (wall clock, `time.time()`) is when the program started, e.g. the `psrec` command's
+    entry: the summary's ``startup.seconds_to_first_step`` counts from it, or from this call when None.
     """
     called_at = time.time()
     run_dir = storage.location(config.run_dir)
@@ -190,7 +193,9 @@ def train(
         if local_events is not None:
             upload_events(local_events, run_dir)
     summary["wall_seconds"] = time.perf_counter() - started
-    summary["startup"] = startup_report(driver.first_step_at, train_called_at=called_at)
+    summary["startup"] = startup_report(
+        driver.first_step_at, train_called_at=called_at, started_at=started_at
+    )
     write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
 

@@ -1,40 +1,33 @@
-"""Start-up time of a run: from the process's start, and from the `train()` call, to the end of its
+"""Start-up time of a run: from the program's start, and from the `train()` call, to the end of its
 first training step (in `summary.json` under ``startup``), and `paused_gc` for the start-up's imports.
+
+Every figure is a difference of wall-clock readings (`time.time()`) taken by the run itself: the
+program's start is the time the `psrec` command's entry point read first thing (`psrec.cli.main`),
+passed to `train(started_at=...)`; a library call of `train()` without it counts from the call. The
+process's start time that Linux keeps (/proc/self/stat, in clock ticks since boot) is not used: it
+is on the boot clock, and turning it into wall-clock time takes the boot clock's difference from the
+wall clock, which jumps on a virtual machine that is paused or restored (docs/benchmarks.md,
+"Start-up").
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import os
-import time
 from collections.abc import Iterator
 
 
-def process_start_time() -> float | None:
-    """Wall-clock time (seconds since the epoch) this process started, or None where /proc is not.
-
-    Linux gives the start in clock ticks since boot (/proc/self/stat, field 22); boot time is now
-    minus the time since boot (CLOCK_BOOTTIME, which keeps counting through suspend as /proc does).
-    """
-    try:
-        with open("/proc/self/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
-        ticks = int(fields[19])  # field 22 of the whole line; fields[0] is field 3
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (OSError, IndexError, ValueError, AttributeError):
-        return None
-    return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def startup_report(first_step_at: float | None, *, train_called_at: float) -> dict[str, float | None]:
-    """Seconds from the process's start and from the `train()` call to the end of the first step
-    (None when no step ran)."""
-    started = process_start_time()
+def startup_report(
+    first_step_at: float | None, *, train_called_at: float, started_at: float | None = None
+) -> dict[str, float | None]:
+    """Seconds to the end of the first step (`first_step_at`, wall clock; None when no step ran):
+    from the program's start (`started_at`; the `train()` call when None) as
+    ``seconds_to_first_step``, and from the `train()` call as ``seconds_from_train_call``."""
     if first_step_at is None:
         return {"seconds_to_first_step": None, "seconds_from_train_call": None}
+    started = train_called_at if started_at is None else started_at
     return {
-        "seconds_to_first_step": None if started is None else first_step_at - started,
+        "seconds_to_first_step": first_step_at - started,
         "seconds_from_train_call": first_step_at - train_called_at,
     }
 

@@ -1,5 +1,6 @@
-"""Start-up time in summary.json: the process's start read from /proc, checked against a clock
-read by the parent that started the process; the first step's time bounded by the run's own."""
+"""Start-up time in summary.json: from the command's entry and from the `train()` call to the first
+step, from wall-clock readings of the run itself (a jumped boot clock changes nothing), bounded by
+the run's own time."""
 
 from __future__ import annotations
 
@@ -15,28 +16,80 @@ import pytest
 
 from psrec.train import builders
 from psrec.train.loop import train
-from psrec.train.startup import paused_gc
+from psrec.train.startup import paused_gc, startup_report
 from tests.conftest import small_run_config
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+def test_the_start_up_report_counts_from_the_clocks_it_is_given() -> None:
+    assert startup_report(1010.0, train_called_at=1003.0, started_at=1000.5) == {
+        "seconds_to_first_step": 9.5,
+        "seconds_from_train_call": 7.0,
+    }
+    assert startup_report(1010.0, train_called_at=1003.0) == {  # no program start: from the call
+        "seconds_to_first_step": 7.0,
+        "seconds_from_train_call": 7.0,
+    }
+    assert startup_report(None, train_called_at=1003.0, started_at=1000.5) == {
+        "seconds_to_first_step": None,
+        "seconds_from_train_call": None,
+    }
 
 
-def test_process_start_time_is_when_the_parent_started_the_process() -> None:
-    before = time.time()
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from psrec.train.startup import process_start_time; print(process_start_time())",
-        ],
+# Runs `psrec train --local` in this process with Linux's boot clock (CLOCK_BOOTTIME) 110 s ahead
+# of the wall clock, as on a VM paused or restored while its wall clock was set again; prints the
+# wall clock read just before `main`, at the `train()` call and after `main`.
+JUMPED_BOOT_CLOCK_RUN = """
+import json, sys, time
+
+clock_gettime = time.clock_gettime
+time.clock_gettime = lambda clock: clock_gettime(clock) + (110.0 if clock == time.CLOCK_BOOTTIME else 0.0)
+
+import psrec.train.loop
+from psrec.cli import main
+
+train, called = psrec.train.loop.train, []
+
+def train_noting_the_call(*args, **kwargs):
+    called.append(time.time())
+    return train(*args, **kwargs)
+
+psrec.train.loop.train = train_noting_the_call
+before = time.time()
+code = main(sys.argv[1:])
+after = time.time()
+print(json.dumps({"before": before, "called": called[0], "after": after}))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("progress", [["--no-progress"], []], ids=["log-lines", "progress-bar"])
+def test_a_jumped_boot_clock_does_not_move_the_start_up_figures(
+    synthetic_sources: dict[str, Any], tmp_path: Path, progress: list[str]
+) -> None:
+    """The start-up figures come from wall-clock readings taken in the run itself (the command's
+    entry, the `train()` call, the first step's end), never from the boot clock: with it 110 s
+    ahead, `psrec train` (with log lines or its progress bar) still reports the time from its entry
+    to the first step, within the run's own wall time, and the entry precedes the call by what the
+    clocks around them say."""
+    config = small_run_config(
+        synthetic_sources, tmp_path / "run", **{"training.max_steps": 2, "checkpoint.enabled": False}
+    )
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config.model_dump(mode="json", by_alias=True)))
+    done = subprocess.run(
+        [sys.executable, "-c", JUMPED_BOOT_CLOCK_RUN, "train", str(path), "--local", *progress],
         capture_output=True,
         text=True,
-        check=True,
-        timeout=60,
+        timeout=300,
     )
-    after = time.time()
-    started = float(child.stdout)
-    assert before - 0.05 <= started <= after  # clock ticks are 10 ms
+    assert done.returncode == 0, done.stderr[-3000:]
+    clocks = json.loads(done.stdout.strip().splitlines()[-1])
+    startup = json.loads((tmp_path / "run" / "summary.json").read_text())["startup"]
+    assert 0 < startup["seconds_from_train_call"] <= startup["seconds_to_first_step"]
+    assert startup["seconds_to_first_step"] <= clocks["after"] - clocks["before"]
+    # from the command's entry to the call: main's first line is within milliseconds of `before`
+    entry_to_call = startup["seconds_to_first_step"] - startup["seconds_from_train_call"]
+    assert entry_to_call == pytest.approx(clocks["called"] - clocks["before"], abs=0.05)
 
 
 def test_the_summary_says_how_long_the_first_step_took_to_come(
@@ -47,7 +100,8 @@ def test_the_summary_says_how_long_the_first_step_took_to_come(
     returned = time.time()
     startup = summary["startup"]
     assert 0 < startup["seconds_from_train_call"] < returned - called
-    assert startup["seconds_to_first_step"] > startup["seconds_from_train_call"]  # the process began earlier
+    # called as a library, without the program's start: counted from the call
+    assert startup["seconds_to_first_step"] == startup["seconds_from_train_call"]
     assert gc.isenabled()  # start-up paused the collector only while it imported and built
 
 
