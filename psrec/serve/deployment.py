@@ -19,7 +19,8 @@ replacement. With ``direct_ingress`` every replica also answers HTTP on its own 
 (`replica_urls`), without the proxy hop (and without its retry).
 
 HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
-(`psrec.train.cluster.start_ray`).
+(`psrec.train.cluster.start_ray`), and on it so is each replica's inter-deployment gRPC server, which
+Serve itself would open on every interface (`keep_replica_grpc_on_loopback`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from ray import serve
 
 from psrec.serve.requests import DEFAULT_MAX_ROWS, ParsedRequest, RequestError, decode_body, parse_request
+from psrec.train.cluster import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class ModelServer:
         from psrec.serve.scoring import ServingModel
         from psrec.serve.sharded import RayShard, sharded_tables
 
+        keep_replica_grpc_on_loopback()  # before Serve starts the server, after this constructor
         torch.set_num_threads(options.threads)
         remote = None
         if shards:
@@ -136,6 +139,40 @@ class ModelServer:
     def __del__(self) -> None:
         if getattr(self, "follower", None) is not None:
             self.follower.stop()  # type: ignore[union-attr]
+
+
+def keep_replica_grpc_on_loopback() -> None:
+    """On a node whose address is 127.0.0.1 (the embedded cluster), make this replica's
+    inter-deployment gRPC server listen there too.
+
+    Serve starts that server in every replica (calls through deployment handles; the controller
+    hands out its port at the replica's node address) on "[::]:0", every interface, whatever the
+    node address: on the embedded cluster, where all of Ray's servers listen on 127.0.0.1 only, it
+    was the one socket of a serving run that other machines could reach. Serve starts it after the
+    replica's constructor (`Replica._on_initialized`), which calls this. On a node with a routable
+    address (a cluster joined with --address) the server stays as Serve opens it.
+    """
+    import ray
+    from ray.serve._private import replica
+
+    add_port = getattr(replica, "add_port_to_grpc_server", None)
+    if add_port is None or ray.util.get_node_ip_address() != LOOPBACK:
+        return  # another Serve layout, or a routable node address
+    if getattr(add_port, "keeps_loopback", False):
+        return  # done already in this process
+
+    def add_port_on_loopback(server: Any, address: str) -> int:
+        return int(add_port(server, loopback_address(address)))
+
+    add_port_on_loopback.keeps_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = add_port_on_loopback
+
+
+def loopback_address(address: str) -> str:
+    """A gRPC listening address ("HOST:PORT") with the wildcard host ("[::]", "0.0.0.0", "") made
+    127.0.0.1; any other address as it is."""
+    host, _, port = address.rpartition(":")
+    return f"{LOOPBACK}:{port}" if host in ("[::]", "0.0.0.0", "") else address
 
 
 def application(model_dir: str, options: ServeOptions, shards: list[Any] | None = None) -> Any:
