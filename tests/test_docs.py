@@ -18,6 +18,17 @@ DIARY = re.compile(
     r"|\bsession \d+\b|\boverturns\b|benchmarks-history",
     re.IGNORECASE,
 )
+# Lab-notebook phrasing in the user docs: numbered or lettered runs, "(kept)" headings, stops and
+# sessions of work, first-person accounts of what was tried. Each pattern is searched line by line.
+NOTEBOOK = [
+    re.compile(r"\b[Rr]uns? [A-Z]\b(?![\w'-])"),  # "Run E", "Runs D, E and F", "run A/B"
+    re.compile(r"\(kept\)", re.IGNORECASE),
+    re.compile(r"\bsession \d+|\bthis session\b", re.IGNORECASE),
+    re.compile(r"\bstop \d+\b", re.IGNORECASE),
+    re.compile(r"\b(?:we (?:then )?tried|earlier we|we kept)\b", re.IGNORECASE),
+]
+# What was tried and did not pay collapses into one section; the phrase appears at most once a file.
+TRIED = re.compile(r"tried and rejected", re.IGNORECASE)
 
 
 def test_architecture_names_only_files_that_exist() -> None:
@@ -51,3 +62,48 @@ def test_no_work_log_entries(path: Path) -> None:
         if DIARY.search(line)
     ]
     assert not hits, "work-log phrasing (history belongs in git):\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_do_not_read_as_a_lab_notebook(path: Path) -> None:
+    lines = path.read_text().splitlines()
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in: {line.strip()}"
+        for number, line in enumerate(lines, start=1)
+        for pattern in NOTEBOOK
+        for match in pattern.finditer(line)
+    ]
+    tried = [number for number, line in enumerate(lines, start=1) if TRIED.search(line)]
+    if len(tried) > 1:
+        hits += [f"{path.relative_to(ROOT)}:{n}: 'tried and rejected' (one section only)" for n in tried]
+    assert not hits, "lab-notebook phrasing (docs say what is, history belongs in git):\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        '(load 1.4; "Run E"):',
+        "All rounds of Runs D, E and F pooled",
+        "in Runs D / E / F",
+        "### Shared memory between a trainer and its shards (kept)",
+        "measured in session 12",
+        "as we tried before",
+        "after stop 3 the figures",
+    ],
+)
+def test_lab_notebook_patterns_catch(line: str) -> None:
+    assert any(pattern.search(line) for pattern in NOTEBOOK)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "Chunked A/B in one runtime",
+        "Run `psrec bench --dim 64` from the repository root.",
+        "psrec runs TorchRec's systems in fresh processes",
+        "rows kept in memory (the default)",
+        "Runs on 2 vCPU",
+    ],
+)
+def test_lab_notebook_patterns_spare(line: str) -> None:
+    assert not any(pattern.search(line) for pattern in NOTEBOOK)
