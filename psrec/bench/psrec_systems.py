@@ -447,7 +447,7 @@ def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
     """
     import ray
 
-    from psrec.train.cluster import start_ray
+    from psrec.train.cluster import start_ray, stop_ray
 
     if layout.nodes == 1:
         owns_ray = not ray.is_initialized()
@@ -463,7 +463,7 @@ def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
             yield None
         finally:
             if owns_ray:
-                ray.shutdown()
+                stop_ray()
         return
     if ray.is_initialized():
         raise RuntimeError(

@@ -323,25 +323,33 @@ def _start_lookup_shards(model_dir: str, tables: list[str], options: ServeOption
 
 
 def stop_serving() -> None:
+    """Delete the app and shut Ray Serve down (when it runs; nothing when Ray does not), and kill
+    the lookup shards this process started."""
     import ray
+    from ray.serve.context import _get_global_client
 
-    serve.delete(APPLICATION)
-    serve.shutdown()
-    for shard in _LOOKUP_SHARDS:
-        ray.kill(shard)
+    if ray.is_initialized():
+        if _get_global_client(raise_if_no_controller_running=False) is not None:
+            serve.delete(APPLICATION)
+            serve.shutdown()
+        for shard in _LOOKUP_SHARDS:
+            ray.kill(shard)
     _LOOKUP_SHARDS.clear()
 
 
 def serve_forever(model_dir: str, options: ServeOptions, *, address: str | None = None) -> None:
-    """`psrec serve`: serve until interrupted (Ctrl-C or SIGTERM), then stop the app and Ray Serve."""
-    import ray
+    """`psrec serve`: serve until interrupted (Ctrl-C or SIGTERM), then stop the app, Ray Serve and
+    Ray, and end what is left of the embedded cluster's processes (`psrec.train.cluster.stop_ray`)."""
+    from psrec.train.cluster import stop_ray
 
-    start_serving(model_dir, options, address=address)
     try:
+        start_serving(model_dir, options, address=address)  # interrupted too: what started is stopped
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
         logger.info("stopping")
     finally:
-        stop_serving()
-        ray.shutdown()
+        try:
+            stop_serving()
+        finally:
+            stop_ray()

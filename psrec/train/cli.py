@@ -108,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         if started_ray:
-            import ray
+            from psrec.train.cluster import stop_ray
 
-            ray.shutdown()
+            stop_ray()
     hidden = ("history", "tables", "phase_seconds", "checkpoints")
     shown = {k: v for k, v in summary.items() if k not in hidden}
     print(json.dumps(shown, indent=2, default=float))

@@ -8,6 +8,11 @@ cluster generates its token if there is none, and the token file is readable by 
 (0600); joining a cluster fails before connecting when no token is found. Every process Ray starts
 gets the OpenMP wait policy and allocator settings of this process. What listens where is listed in
 docs/fault_tolerance.md ("Network").
+
+`stop_ray()` ends a run's Ray: `ray.shutdown()`, then every process of the embedded cluster that is
+still running (an agent or worker whose raylet did not stop it) is ended, within a bound. Ray's
+start leaves this process's SIGTERM handler as it was, so that a run stopped by SIGTERM gets to
+that clean-up (`_sigterm_kept`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import socket
 import stat
 import threading
@@ -93,7 +99,7 @@ def start_ray_importing(config: RunConfig, module: str) -> bool:
         finally:
             loader.join()
     if failed:
-        ray.shutdown()
+        stop_ray()
         raise failed[0]
     return True
 
@@ -145,15 +151,13 @@ def start_ray(
     try:
         if address is None:
             environment = _embedded_environment(num_cpus=num_cpus, actors=actors, omp_passive=omp_passive)
-            with _loopback_node(), environment_set(environment), _without_api_server():
+            with _loopback_node(), environment_set(environment), _without_api_server(), _sigterm_kept():
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address=LOOPBACK, **kwargs)
             return
         kwargs["runtime_env"] = {"env_vars": _workers_environment(omp_passive)}
-        if _loopback_address(address):
-            # a cluster on this machine's loopback: Ray would swap 127.0.0.1 for a routable address
-            with _loopback_node():
-                ray.init(address=address, **kwargs)
-        else:
+        # a cluster on this machine's loopback: Ray would swap 127.0.0.1 for a routable address
+        node = _loopback_node() if _loopback_address(address) else contextlib.nullcontext()
+        with node, _sigterm_kept():
             ray.init(address=address, **kwargs)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as error:
         where = "an embedded local cluster" if address is None else f"the Ray cluster at {address!r}"
@@ -276,6 +280,32 @@ def _no_api_server(*args: Any, **kwargs: Any) -> tuple[str, None]:
 
 
 @contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Leave this process's SIGTERM handling as it was across `ray.init`.
+
+    `ray.init` replaces the SIGTERM handler (psrec's command line has its own: SIGTERM stops a run
+    as Ctrl-C does) by one that calls `sys.exit`, and the driver's core worker then puts Ray's
+    crash handler (absl's failure-signal handler) in front of it. That handler prints a stack,
+    hands the signal on and arms a 3 s alarm that aborts the process (SIGABRT): a driver whose
+    clean-up (Serve's app deleted, actors stopped, `ray.shutdown`) took longer died in the middle
+    of it, and the cluster's agents then ran on for up to a minute. Installing the Python handler
+    again (the one this process had, or Ray's when it had none) takes SIGTERM from the crash
+    handler, which keeps the crash signals (SIGSEGV, SIGABRT, ...). Only the main thread sets
+    handlers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        kept = before if before not in (signal.SIG_DFL, None) else signal.getsignal(signal.SIGTERM)
+        if kept is not None:
+            signal.signal(signal.SIGTERM, kept)
+
+
+@contextlib.contextmanager
 def environment_set(variables: dict[str, str]) -> Iterator[None]:
     """Set `variables` in this process's environment (so the processes it starts get them) and
     restore the earlier values afterwards."""
@@ -300,6 +330,109 @@ def check_ray_version(version: str) -> None:
             f"ray {version} has no token authentication: psrec needs ray>={wanted} "
             f"(pip install 'ray[default]>={wanted}')"
         )
+
+
+# -- stopping ----------------------------------------------------------------------------------
+# After ray.shutdown(): how long the embedded cluster's processes get to exit on their own, and
+# then after SIGTERM, and after SIGKILL.
+PROCESS_EXIT_TIMEOUT_S = 1.0
+
+
+def stop_ray(*, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
+    """Shut Ray down; when this process started the cluster (the embedded one), every process of
+    it is gone when this returns (but for one stuck in the kernel, which is logged).
+
+    `ray.shutdown()` stops the processes it started itself (GCS, raylet, monitors) and the raylet
+    stops its own children (agents, workers) on its way out. When the raylet and the GCS die
+    first (Ray kills a raylet that has not exited a second after SIGTERM, and stops the GCS right
+    after), the dashboard and runtime-env agents run on for about a minute, trying to reach the
+    GCS. The processes are listed before the shutdown (a raylet's children are its own only while
+    it lives); those still running `timeout` seconds after it get SIGTERM, and `timeout` seconds
+    later SIGKILL. A joined cluster's processes are not this process's to end: for it this is
+    `ray.shutdown()`.
+    """
+    import ray
+
+    processes = _embedded_cluster_processes()
+    ray.shutdown()
+    end_processes(processes, timeout=timeout)
+
+
+def _embedded_cluster_processes() -> list[Any]:
+    """The running processes of the cluster this process started (none for a joined cluster):
+    those Ray started itself and all their descendants, as psutil processes."""
+    from ray._private import worker
+
+    psutil = _psutil()
+    node = worker._global_node
+    if psutil is None or node is None:
+        return []
+    processes = []
+    for infos in node.all_processes.values():
+        for info in infos:
+            with contextlib.suppress(psutil.NoSuchProcess):  # one that exited since
+                root = psutil.Process(info.process.pid)
+                processes.extend([root, *root.children(recursive=True)])
+    return processes
+
+
+def end_processes(processes: list[Any], *, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> list[Any]:
+    """Give `processes` (psutil processes) `timeout` seconds to exit, then SIGTERM those left and
+    as long again, then SIGKILL and as long again: at most 3 x `timeout` seconds. Returns those
+    still running then (stuck in the kernel), logged as a warning; a zombie counts as exited."""
+    alive = _running(processes, timeout)
+    for signal_name in ("SIGTERM", "SIGKILL"):
+        if not alive:
+            return []
+        described = ", ".join(_described(process) for process in alive)
+        logger.info(
+            "%s to %d processes of the Ray cluster left after its shutdown: %s",
+            signal_name,
+            len(alive),
+            described,
+        )
+        for process in alive:
+            with contextlib.suppress(Exception):  # it exited meanwhile
+                process.send_signal(getattr(signal, signal_name))
+        alive = _running(alive, timeout)
+    if alive:
+        described = ", ".join(_described(process) for process in alive)
+        logger.warning("%d processes of the Ray cluster outlived SIGKILL: %s", len(alive), described)
+    return alive
+
+
+def _running(processes: list[Any], timeout: float) -> list[Any]:
+    """Those of `processes` still running after at most `timeout` seconds of waiting for them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [process for process in processes if _is_running(process)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _is_running(process: Any) -> bool:
+    try:
+        return bool(process.is_running() and process.status() != "zombie")
+    except Exception:  # noqa: BLE001 - psutil.NoSuchProcess (and AccessDenied): not ours to wait for
+        return False
+
+
+def _described(process: Any) -> str:
+    try:
+        return f"{process.pid} ({process.name()})"
+    except Exception:  # noqa: BLE001 - gone meanwhile: the pid says enough
+        return str(process.pid)
+
+
+def _psutil() -> Any:
+    """psutil, which Ray ships (on sys.path once Ray is imported); None without it."""
+    import ray  # noqa: F401
+
+    try:
+        return importlib.import_module("psutil")
+    except ImportError:
+        return None
 
 
 # -- authentication ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from psrec.ps.shared_arrays import unlink_job_segments
 from psrec.threads import set_thread_counts
 from psrec.train import builders, placement, trainer_failover, trainer_scaling
 from psrec.train.chunks import ChunkResult
-from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray
+from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray, stop_ray
 from psrec.train.failover import ShardFailover, call_shards
 from psrec.train.worker import TrainerWorker
 
@@ -572,7 +572,7 @@ class RayRuntime(RuntimeBase):
         if failover is not None:
             failover.close()
         if self._owns_ray:
-            ray.shutdown()
+            stop_ray()
 
 
 def _get(refs: list[Any], timeout: float | None = None) -> list[Any]:

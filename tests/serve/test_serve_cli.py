@@ -1,11 +1,13 @@
 """`psrec serve` as a user runs it, in a process of its own: every socket of the serving run (the
-driver, Ray's GCS, raylet and agents, Serve's controller, proxy and replica) listens on loopback
-only. One tiny DeepFM export, one replica; about 20 s on 2 cores.
+driver, Ray's GCS, raylet and agents, Serve's controller, proxy and replica) listens on loopback only,
+and SIGTERM ends the run cleanly (exit code 0) with every process it started gone by the time it
+exits. One tiny DeepFM export, one replica; about 20 s on 2 cores.
 """
 
 from __future__ import annotations
 
 import importlib
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +23,9 @@ import pytest
 from tests.conftest import is_loopback, listening_sockets
 
 START_TIMEOUT_S = 180.0
+# SIGTERM -> exit: Serve deletes the app (its replica gets Serve's graceful shutdown), Ray shuts
+# down, and psrec ends what is left of the cluster's processes (psrec.train.cluster.stop_ray)
+EXIT_TIMEOUT_S = 60.0
 
 
 def _psutil() -> Any:
@@ -39,6 +44,11 @@ class Serving:
         """The driver and every process it started (GCS, raylet, agents, Serve's actors)."""
         driver = _psutil().Process(self.process.pid)
         return [driver, *driver.children(recursive=True)]
+
+    def started(self) -> bool:
+        """It answers, and `start_serving` has returned (it logs the URL last)."""
+        logged = " serving " in self.log.read_text(errors="replace")
+        return logged and _answers(f"http://127.0.0.1:{self.port}/version")
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -75,7 +85,7 @@ def serving(
     serving = Serving(process, port, log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers(f"http://127.0.0.1:{port}/version"):
+        while not serving.started():
             assert process.poll() is None, f"psrec serve exited ({process.returncode}):\n{serving.output()}"
             assert time.monotonic() < deadline, f"psrec serve did not answer:\n{serving.output()}"
             time.sleep(0.2)
@@ -110,3 +120,17 @@ def test_a_serving_run_listens_on_loopback_only(serving: Serving) -> None:
     assert {pid for pid, *_ in sockets} >= {serving.process.pid, *replicas}
     outside = [(names[pid].split(" ")[0], *rest) for pid, *rest in sockets if not is_loopback(rest[1])]
     assert not outside, f"listening beyond loopback (process, protocol, address, port): {outside}"
+
+
+@pytest.mark.ray
+def test_sigterm_ends_a_serving_run_and_every_process_it_started(serving: Serving) -> None:
+    psutil = _psutil()
+    started = serving.tree()[1:]
+    assert any(" ".join(member.cmdline()).startswith("ray::DashboardAgent") for member in started)
+    signalled = time.monotonic()
+    serving.process.send_signal(signal.SIGTERM)
+    returncode = serving.process.wait(timeout=EXIT_TIMEOUT_S)
+    print(f"psrec serve exited {time.monotonic() - signalled:.1f} s after SIGTERM")  # shown with -s
+    assert returncode == 0, serving.output()
+    alive = [member for member in started if member.is_running() and member.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running after psrec serve exited: {alive}"

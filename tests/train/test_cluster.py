@@ -7,12 +7,15 @@ test that asks for it to the end of the module.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +143,34 @@ def test_the_embedded_start_sets_its_variables_before_the_import_thread_starts(
     assert not any(name in os.environ for name in [*names, cluster.SINGLE_MACHINE_VARIABLE])
 
 
+def test_processes_left_after_a_shutdown_are_ended_within_the_bound() -> None:
+    """`end_processes`: one process that exits by itself, one that exits on SIGTERM, one that
+    ignores SIGTERM; all three are gone within 3 x the timeout."""
+    import importlib
+
+    import ray  # noqa: F401  - Ray ships psutil and puts it on sys.path
+
+    psutil = importlib.import_module("psutil")
+    ignores = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    scripts = ["import time; time.sleep(0.1)", "import time; print(1, flush=True); time.sleep(60)", ignores]
+    children = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE) for script in scripts
+    ]
+    for child in children[1:]:
+        assert child.stdout is not None and child.stdout.readline()  # its handler is in place
+    processes = [psutil.Process(child.pid) for child in children]
+    started = time.monotonic()
+    try:
+        assert cluster.end_processes(processes, timeout=0.5) == []
+        assert time.monotonic() - started < 3 * 0.5 + 1.0
+        returncodes = [child.wait(timeout=5) for child in children]
+        assert returncodes == [0, -signal.SIGTERM, -signal.SIGKILL]
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
 @pytest.mark.ray
 def test_embedded_cluster_authenticates_with_a_private_token(tmp_path: Path) -> None:
     """In a fresh process (Ray caches the token it read): RAY_AUTH_MODE=disabled in the environment and
@@ -206,6 +237,50 @@ def test_embedded_cluster_starts_lean_and_its_workers_inherit_the_settings(tmp_p
     }, stdout
 
 
+@pytest.mark.ray
+def test_stopping_the_embedded_cluster_ends_what_a_killed_raylet_and_gcs_left(tmp_path: Path) -> None:
+    """In a fresh process: as `ray.shutdown()` comes to stop the cluster's processes, the raylet
+    and the GCS are SIGKILLed (as when Ray kills a raylet that did not exit within its second and
+    stops the GCS right after). Their dashboard and runtime-env agents and an idle worker, left
+    without both, would run on for about a minute; `stop_ray` ends them within its bound."""
+    script = textwrap.dedent(
+        """
+        import time
+        import ray
+        import psutil  # Ray ships it and puts it on sys.path
+        from ray._private import worker
+        from psrec.train.cluster import start_ray, stop_ray
+
+        start_ray(None, num_cpus=1, log_to_driver=False)
+        ray.get(ray.remote(lambda: 0).remote())  # a worker process
+        started = psutil.Process().children(recursive=True)
+        names = sorted(" ".join(p.cmdline()).split(" ")[0].split("/")[-1] for p in started)
+        node = worker._global_node
+        killed = [node.all_processes[name][0].process for name in ("raylet", "gcs_server")]
+        kill_all_processes = node.kill_all_processes
+        shut_down = []
+
+        def killed_first(*args, **kwargs):
+            for process in killed:
+                process.kill()
+                process.wait()
+            kill_all_processes(*args, **kwargs)
+            shut_down.append(time.monotonic())
+
+        node.kill_all_processes = killed_first
+        stop_ray(timeout=1.0)
+        print("seconds", round(time.monotonic() - shut_down[0], 1))  # after Ray's own shutdown
+        print("started", names)
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        print("alive", [p.pid for p in alive])
+        """
+    )
+    lines, stdout = _run_fresh(script, dict(os.environ), tmp_path)
+    assert "ray::DashboardAgent" in lines["started"] and "ray::RuntimeEnvAgent" in lines["started"], stdout
+    assert lines["alive"] == "[]", stdout
+    assert float(lines["seconds"]) < 3 * 1.0 + 1.0, stdout
+
+
 def _job_pids() -> list[int]:
     """This driver and every process it started (GCS, raylet, agents, workers: all its descendants)."""
     import importlib
@@ -237,6 +312,50 @@ def test_embedded_job_listens_on_loopback_only(
         assert not outside, f"listening beyond loopback (pid, protocol, address, port): {outside}"
     finally:
         runtime.shutdown()
+
+
+@pytest.mark.ray
+def test_sigterm_ends_an_embedded_training_run_and_every_process_it_started(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    """`psrec train` on the embedded cluster, SIGTERMed while it trains: psrec's own clean-up runs to
+    its end (exit code 130, as for Ctrl-C) and every process the run started (GCS, raylet, agents,
+    trainer and shards) is gone by the time the command exits."""
+    import importlib
+
+    import ray  # noqa: F401  - Ray ships psutil and puts it on sys.path
+
+    psutil = importlib.import_module("psutil")
+    config = small_run_config(
+        synthetic_sources, tmp_path / "run", **{"ps.runtime": "ray", "training.epochs": 50}
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(config.model_dump(mode="json")))  # YAML reads JSON
+    log = tmp_path / "train.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "psrec.cli", "train", str(path), "--no-progress"],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while " step 10 " not in log.read_text(errors="replace"):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.1)
+        started = psutil.Process(process.pid).children(recursive=True)
+        assert any(" ".join(member.cmdline()).startswith("ray::DashboardAgent") for member in started)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+        print(f"psrec train exited {time.monotonic() - signalled:.1f} s after SIGTERM")  # shown with -s
+        assert returncode == 130, log.read_text()[-4000:]
+        alive = [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"still running after psrec train exited: {alive}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.ray
