@@ -20,7 +20,7 @@ id and a 64-bit checksum of the rest. ``RecordLayout`` describes the fields; ``D
   is still the row's current slot and whose segment has not been reused since (``SegmentLog``
   generations), so a row rewritten after its prefetch is always read fresh.
 
-Why a slab and not LMDB or RocksDB: ``benchmarks/disk_store_choice.py`` (docs/benchmarks.md,
+Why a slab and not LMDB or RocksDB: ``psrec/bench/disk_store_choice.py`` (docs/benchmarks.md,
 "Disk tier") reads 100k random rows 18x faster and writes demotions 1.2-1.9x faster than either.
 
 The file is created under a unique name and unlinked at once: it lives as long as the process holds

@@ -9,7 +9,7 @@ needs no state of its own:
 - ``lfu_aging``: frequency with aging, ``count * 2 ** (-(clock - last_step) / half_life)`` lowest
   first (``half_life`` in steps), so rows popular long ago cool down.
 
-``benchmarks/disk_tier_bench.py --policies`` measures their hit rates on Zipf traffic
+``python -m psrec.bench.disk_tier_bench policies`` measures their hit rates on Zipf traffic
 (docs/disk_tier.md): on stationary Zipf(1.1) ids, LFU keeps the most hits; aging is a little below it,
 LRU well below.
 

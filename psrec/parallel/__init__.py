@@ -12,7 +12,7 @@ Modules, by concept:
 - ``pipeline``: SASRec/BST split into stages with ``torch.distributed.pipelining`` (GPipe or 1F1B),
   data-parallel across pipeline replicas.
 - ``launch``: ``run_local_group``, W forked processes in a gloo group (tests, measurements).
-- the side-by-side figures of the docs come from `benchmarks/parallel_bench.py`.
+- the side-by-side figures of the docs come from `psrec/bench/parallel_bench.py`.
 
 Import from the modules (``from psrec.parallel.planner import plan_sharding``): this package file
 imports nothing, so `psrec --help` stays fast.

@@ -1,4 +1,4 @@
-"""psrec's SASRec against a plain PyTorch SASRec (`sasrec_reference`), step by step.
+"""psrec's SASRec against a plain PyTorch SASRec (`psrec.testing.sasrec_reference`), step by step.
 
 The oracle gets psrec's weights (`copy_to_reference`) and, for training, psrec's initial item rows,
 batches and negatives; it steps everything with one `torch.optim.Adam(betas=(0.9, 0.98))`, the item
@@ -17,13 +17,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sasrec_reference import (
-    ReferenceSASRec,
-    reference_init,
-    reference_loss,
-    reference_optimizer,
-    reference_training_rows,
-)
 
 from psrec.config import RunConfig, parse_config
 from psrec.data.reader import open_reader
@@ -33,8 +26,15 @@ from psrec.embedding.initializers import initial_rows_numpy
 from psrec.models import SASRec
 from psrec.models.base import ModelInput
 from psrec.models.transformer import TransformerBlock
-from psrec.train import builders
-from psrec.train.metrics import sampled_ranks
+from psrec.testing.sasrec_reference import (
+    ReferenceSASRec,
+    reference_init,
+    reference_loss,
+    reference_optimizer,
+    reference_training_rows,
+)
+from psrec.trainer import builders
+from psrec.trainer.metrics import sampled_ranks
 
 NUM_ITEMS, DIM, LENGTH = 40, 8, 8
 

@@ -1,5 +1,6 @@
 """SASRec's sampled-softmax objective against plain PyTorch: the loss formula, the model's loss with the
-oracle's features (`sasrec_reference`), and training through the parameter server step by step.
+oracle's features (`psrec.testing.sasrec_reference`), and training through the parameter server step
+by step.
 
 The oracle computes the cross-entropy of the next item among itself and the user's N negatives with
 ``torch.nn.functional.cross_entropy`` on the reference model's features; psrec trains the same config
@@ -17,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as functional
-from sasrec_reference import ReferenceSASRec, reference_optimizer
 from test_sasrec_reference import DIM, LENGTH, NUM_ITEMS, copy_to_reference, epoch_batches
 
 from psrec.config import RunConfig, parse_config
@@ -26,7 +26,8 @@ from psrec.embedding.initializers import initial_rows_numpy
 from psrec.models import SASRec
 from psrec.models.base import ModelInput
 from psrec.models.sasrec import sampled_softmax_loss
-from psrec.train import builders
+from psrec.testing.sasrec_reference import ReferenceSASRec, reference_optimizer
+from psrec.trainer import builders
 
 NEGATIVES = 6
 

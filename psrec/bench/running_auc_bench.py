@@ -7,7 +7,7 @@ Chunks of `--chunk` samples (3 steps of 4096 by default) arrive into a window of
 (`psrec.train.loop`'s 100,000); the two ways alternate chunk by chunk and the medians are printed.
 Usage:
 
-    python benchmarks/running_auc_bench.py [--chunks 80] [--chunk 12288] [--window 100000]
+    python -m psrec.bench.running_auc_bench [--chunks 80] [--chunk 12288] [--window 100000]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from psrec.train.metrics import BinaryMetricAccumulator, logloss
+from psrec.trainer.metrics import BinaryMetricAccumulator, logloss
 
 
 def resorted(labels: np.ndarray, scores: np.ndarray) -> tuple[float, float]:

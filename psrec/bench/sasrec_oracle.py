@@ -1,4 +1,4 @@
-"""Train the plain PyTorch SASRec oracle (tests/models/sasrec_reference.py) on an interactions file.
+"""Train the plain PyTorch SASRec oracle (`psrec.testing.sasrec_reference`) on an interactions file.
 
 The reference code's training loop (a shuffled pass over the users per epoch, batches of 128, one
 fresh negative per position, Adam with betas (0.9, 0.98) over everything), evaluated on psrec's own
@@ -6,8 +6,8 @@ leave-one-out sets (`psrec.data.sequences.evaluation_batches`, all users, seed 2
 compare with `psrec train` directly. Switches put one of psrec's former choices back in (the
 ablation table of docs/results.md). One JSON line per epoch.
 
-    python benchmarks/sasrec_oracle.py --epochs 20 --eval-at 5,10,20
-    python benchmarks/sasrec_oracle.py --epochs 5 --eval-at 5 --item-std 0.1
+    python -m psrec.bench.sasrec_oracle --epochs 20 --eval-at 5,10,20
+    python -m psrec.bench.sasrec_oracle --epochs 5 --eval-at 5 --item-std 0.1
 """
 
 from __future__ import annotations
@@ -15,24 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))  # the test oracle
-from sasrec_reference import (  # noqa: E402
+from psrec.data.sequences import evaluation_batches, load_interactions
+from psrec.testing.sasrec_reference import (
     ReferenceSASRec,
     reference_init,
     reference_loss,
     reference_training_rows,
 )
-
-from psrec.data.sequences import evaluation_batches, load_interactions  # noqa: E402
-from psrec.train.metrics import sampled_ranks  # noqa: E402
+from psrec.trainer.metrics import sampled_ranks
 
 BATCH = 128
 
@@ -144,7 +140,8 @@ def main() -> None:
             batch_users, cursor = order[cursor : cursor + BATCH], cursor + BATCH
             rows = reference_training_rows(train, batch_users, data.num_items, args.max_length, rng)
             seq, pos, neg = (torch.from_numpy(ids) for ids in rows)
-            loss = reference_loss(*model(seq, pos, neg), pos)
+            positive_logits, negative_logits = model(seq, pos, neg)  # (B, L) each
+            loss = reference_loss(positive_logits, negative_logits, pos)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

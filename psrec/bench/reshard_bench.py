@@ -12,7 +12,7 @@ virtual buckets per step boundary, every 5 steps). Reported, medians over `--rou
   moves alone, against the same steps of the undisturbed run, and the final validation AUC of both
   (equal in sync mode).
 
-    python benchmarks/reshard_bench.py [--rows 400000] [--steps 300] [--at 40] [--to 4] [--rounds 3]
+    python -m psrec.bench.reshard_bench [--rows 400000] [--steps 300] [--at 40] [--to 4] [--rounds 3]
 
 Timings depend on the machine's load: state it (`uptime`) with every figure.
 """
@@ -26,14 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import start_ray
 from psrec.config import load_config
-from psrec.train.cluster import start_ray
+from psrec.elastic.resharding import request_scale
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
-from psrec.train.scaling import request_scale
 
-QUICKSTART = Path(__file__).parents[1] / "examples" / "quickstart.yaml"
+QUICKSTART = EXAMPLES / "quickstart.yaml"
 
 
 def run(args: argparse.Namespace, run_dir: str, *, scale: bool) -> dict[str, Any]:

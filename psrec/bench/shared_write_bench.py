@@ -7,7 +7,7 @@ A push carries two arrays per table (the unique ids and their float32 row gradie
 batch 2048, 50-800 unique ids a table). Each message is written and released `--calls` times,
 and the median of `--rounds` rounds is printed, in microseconds per message. Usage:
 
-    python benchmarks/shared_write_bench.py [--tables 26] [--dim 16] [--calls 2000] [--rounds 5]
+    python -m psrec.bench.shared_write_bench [--tables 26] [--dim 16] [--calls 2000] [--rounds 5]
 """
 
 from __future__ import annotations

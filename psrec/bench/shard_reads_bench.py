@@ -7,7 +7,7 @@ DLRM's share of one of two shards, drawn from 10x as many ids, so that after the
 rows exist); the two ways alternate call by call on the same shard, and the median time of each
 over the timed steps is printed. Usage:
 
-    python benchmarks/shard_reads_bench.py [--steps 60] [--warmup 40] [--tables 13] [--batch 4096] [--dim 64]
+    python -m psrec.bench.shard_reads_bench [--steps 60] [--warmup 40] [--tables 13] [--batch 4096] [--dim 64]
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def main() -> None:
         for done in (sent, reply, message):
             pool.release(done)
     pool.close()
-    for name, values in times.items():
-        print(f"{name:12s} {statistics.median(values) * 1e3:7.2f} ms")
+    for name, seconds in times.items():
+        print(f"{name:12s} {statistics.median(seconds) * 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ For each victim, trains with a checkpoint every `--every` steps, kills the victi
 halfway between two checkpoints, and reports the time from the kill to training again, the steps
 rolled back, and that every row was still consumed exactly once. Usage:
 
-    python benchmarks/recovery_bench.py [--rows 200000] [--every 40]
+    python -m psrec.bench.recovery_bench [--rows 200000] [--every 40]
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import start_ray
 from psrec.config import load_config
-from psrec.train.cluster import start_ray
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
@@ -28,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" / "quickstart.yaml"))
+    parser.add_argument("--config", default=str(EXAMPLES / "quickstart.yaml"))
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--every", type=int, default=40)
     args = parser.parse_args()

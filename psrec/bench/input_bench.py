@@ -11,7 +11,7 @@ temporary directory, then measures, each best of `--repeats` runs:
 - overlap: a consumer that spends `--step-ms` per batch (a stand-in for a training step), with
   prefetch 0 (parse, then train) and prefetch 2 (parse while training).
 
-Run: `python benchmarks/input_bench.py --rows 200000` (prints a Markdown table; results are recorded
+Run: `python -m psrec.bench.input_bench --rows 200000` (prints a Markdown table; results are recorded
 in docs/benchmarks.md, "Input pipeline").
 """
 
@@ -50,10 +50,24 @@ def format_only(source: DataSource, base_dir: Path) -> int:
 
 
 def delivered(
-    source: DataSource, base_dir: Path, *, batch_size: int, step_seconds: float = 0.0, **options: object
+    source: DataSource,
+    base_dir: Path,
+    *,
+    batch_size: int,
+    step_seconds: float = 0.0,
+    shuffle_buffer: int = 0,
+    prefetch: int = 2,
 ) -> int:
+    """Rows `open_reader` delivers to a consumer that spends `step_seconds` on each batch."""
     rows = 0
-    with open_reader(source, criteo_schema(), batch_size=batch_size, base_dir=base_dir, **options) as reader:  # type: ignore[arg-type]
+    with open_reader(
+        source,
+        criteo_schema(),
+        batch_size=batch_size,
+        base_dir=base_dir,
+        shuffle_buffer=shuffle_buffer,
+        prefetch=prefetch,
+    ) as reader:
         for batch in reader:
             rows += batch.batch_size
             if step_seconds:

@@ -30,10 +30,10 @@ anonymous and file-backed parts at the end; the hit rate, disk traffic per step,
 tiered steps' time goes (promotion reads, demotion writes and victim choice); the load average
 before each process.
 
-    . .venv/bin/activate && python benchmarks/disk_tier_bench.py policies
-    python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1     # the issue's target
-    python benchmarks/disk_tier_bench.py scale --rows 4000000 --memory-gb 0.2    # scaled down 5x
-    python benchmarks/disk_tier_bench.py scale --rows 20000000 --memory-gb 1 --model dlrm   # trained
+    . .venv/bin/activate && python -m psrec.bench.disk_tier_bench policies
+    python -m psrec.bench.disk_tier_bench scale --rows 20000000 --memory-gb 1     # the issue's target
+    python -m psrec.bench.disk_tier_bench scale --rows 4000000 --memory-gb 0.2    # scaled down 5x
+    python -m psrec.bench.disk_tier_bench scale --rows 20000000 --memory-gb 1 --model dlrm   # trained
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def run_policies(args: argparse.Namespace) -> None:
                 )
                 hits = misses = promotions = 0
                 choosing = 0.0
-                table._enforce_budget = _timed_seconds(table._enforce_budget)  # type: ignore[method-assign]
+                stopwatch = _Stopwatch(table._enforce_budget)
+                table._enforce_budget = stopwatch  # type: ignore[method-assign]
                 rng = np.random.default_rng(2)
                 for step in range(1, args.steps + 1):
                     if traffic == "drift" and step == args.steps // 2:
@@ -132,7 +133,7 @@ def run_policies(args: argparse.Namespace) -> None:
                         misses += table.misses - before[1]
                         promotions += table.promotions - before[2]
                 table.close()
-                choosing = table._enforce_budget.seconds  # type: ignore[attr-defined]
+                choosing = stopwatch.seconds
             label = policy if policy != "lfu_aging" else f"aging/{half_life:g}"
             label += f"~{sample}" if sample else ""
             results[label] = hits / (hits + misses)
@@ -142,18 +143,19 @@ def run_policies(args: argparse.Namespace) -> None:
             )
 
 
-def _timed_seconds(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function`, adding its wall seconds to the wrapper's ``seconds``."""
+class _Stopwatch:
+    """`function`, adding the wall seconds of each call to ``seconds``."""
 
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.seconds = 0.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         try:
-            return function(*args, **kwargs)
+            return self.function(*args, **kwargs)
         finally:
-            wrapper.seconds += time.perf_counter() - started  # type: ignore[attr-defined]
-
-    wrapper.seconds = 0.0  # type: ignore[attr-defined]
-    return wrapper
+            self.seconds += time.perf_counter() - started
 
 
 # ------------------------------------------------------------------------------------------ scale
@@ -175,6 +177,10 @@ def _timed(timings: dict[str, float], name: str, function: Callable[..., Any]) -
             timings[name] += time.perf_counter() - started
 
     return wrapper
+
+
+# A DLRM batch: (distinct ids, each draw's position among them, dense features, labels).
+DlrmBatch = tuple[np.ndarray, np.ndarray, Any, Any]
 
 
 class _DlrmSteps:
@@ -204,7 +210,7 @@ class _DlrmSteps:
         self.rng = np.random.default_rng(5)
         self.bf16 = args.dense_precision == "bf16"
 
-    def batch(self) -> tuple[np.ndarray, np.ndarray, Any, Any]:
+    def batch(self) -> DlrmBatch:
         """(distinct ids, each draw's position among them, dense features, labels) of one batch."""
         draws = self.zipf.draws(self.samples * self.features)
         ids, inverse = np.unique(draws, return_inverse=True)
@@ -216,14 +222,14 @@ class _DlrmSteps:
     def step(
         self,
         table: EmbeddingTable,
-        batch: tuple[np.ndarray, Any, Any, Any],
+        batch: DlrmBatch,
         *,
         step: int,
         pulled: Callable[[], Any] | None = None,
     ) -> None:
         """One training step; `pulled` runs once the rows are pulled (the trainer's prefetch point)."""
         from psrec.models.base import ModelInput
-        from psrec.train.pooling import gather_rows
+        from psrec.trainer.pooling import gather_rows
 
         ids, inverse, dense, labels = batch
         rows = self.torch.from_numpy(table.pull(ids)).requires_grad_()  # (U, D)
@@ -240,7 +246,7 @@ class _DlrmSteps:
         table.push(ids, rows.grad.numpy(), step=step)
 
 
-def _ids(batch: np.ndarray | tuple[np.ndarray, Any, Any, Any]) -> np.ndarray:
+def _ids(batch: np.ndarray | DlrmBatch) -> np.ndarray:
     """A batch's distinct ids (a DLRM batch carries them first)."""
     return batch[0] if isinstance(batch, tuple) else batch
 
@@ -292,17 +298,19 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
     def round_of_steps() -> int:
         """One timed round; returns the ids (pull + push alone) or samples (DLRM) it processed."""
         nonlocal step
-        draw = trainer.batch if trainer is not None else lambda: zipf.batch(args.batch)
-        batches = [draw() for _ in range(args.steps + 1)]  # drawn before timing
+        batches: list[np.ndarray | DlrmBatch] = [  # drawn before timing
+            trainer.batch() if trainer is not None else zipf.batch(args.batch) for _ in range(args.steps + 1)
+        ]
         wall, cpu = time.perf_counter(), time.process_time()
         for index in range(args.steps):
             step += 1
             # the next batch's ids are known once this step's rows are pulled (the planner has routed it)
             pulled = partial(tiered.prefetch, _ids(batches[index + 1])) if prefetch else None
-            if trainer is not None:
-                trainer.step(table, batches[index], step=step, pulled=pulled)
+            batch = batches[index]
+            if isinstance(batch, tuple):
+                assert trainer is not None
+                trainer.step(table, batch, step=step, pulled=pulled)
             else:
-                batch = batches[index]
                 table.pull(batch)
                 if pulled is not None:
                     pulled()
@@ -310,7 +318,7 @@ def run_system(args: argparse.Namespace) -> dict[str, Any]:
         rounds.append((time.perf_counter() - wall, time.process_time() - cpu))
         if trainer is not None:
             return args.batch_samples * args.steps
-        return sum(batch.shape[0] for batch in batches[: args.steps])
+        return sum(_ids(batch).shape[0] for batch in batches[: args.steps])
 
     rounds: list[tuple[float, float]] = []
     for _ in range(args.warmup_rounds):  # the memory tier fills with the popular rows
@@ -362,7 +370,7 @@ SYSTEMS = ("memory", "tiered", "prefetch")
 
 
 def _system_command(args: argparse.Namespace, system: str) -> list[str]:
-    command = [sys.executable, __file__, "system", "--system", system]
+    command = [sys.executable, "-m", "psrec.bench.disk_tier_bench", "system", "--system", system]
     for name in (
         "model",
         "batch_samples",

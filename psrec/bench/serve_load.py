@@ -3,8 +3,8 @@
 Trains nothing itself: give it an export and rows to send (a libfm/Parquet/CSV file read with the
 export's schema is the usual source), or let it train a short Frappe DeepFM first:
 
-    python benchmarks/serve_load.py --frappe ../shared/data --rounds 3            # trains, exports, serves
-    python benchmarks/serve_load.py --model models/frappe --rows rows.json        # an existing export
+    python -m psrec.bench.serve_load --frappe ../shared/data --rounds 3            # trains, exports, serves
+    python -m psrec.bench.serve_load --model models/frappe --rows rows.json        # an existing export
 
 It starts the app on an embedded loopback Ray cluster (HTTP on 127.0.0.1, a free port), then for
 each client count runs ``--rounds`` rounds, each bounded by ``--requests`` requests per client and
@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from psrec.bench import EXAMPLES
 
 CLIENTS = (1, 8, 64)
 
@@ -111,9 +113,7 @@ def train_frappe(data_dir: str, root: Path, epochs: int) -> Path:
     from psrec.train.loop import train
 
     overrides = {"run_dir": str(root / "run"), "training.epochs": epochs, "training.early_stopping": None}
-    config = load_config(
-        Path(__file__).parent.parent / "examples" / "frappe_deepfm.yaml", overrides=overrides
-    )
+    config = load_config(EXAMPLES / "frappe_deepfm.yaml", overrides=overrides)
     train(config, base_dir=data_dir)
     return root / "run"
 
@@ -363,7 +363,7 @@ def load_frappe_rows(data_dir: str, count: int) -> list[dict[str, Any]]:
     from psrec.config import load_config
     from psrec.data.reader import open_reader
 
-    config = load_config(Path(__file__).parent.parent / "examples" / "frappe_deepfm.yaml")
+    config = load_config(EXAMPLES / "frappe_deepfm.yaml")
     assert config.data.test is not None
     reader = open_reader(config.data.test, config.feature_schema(), batch_size=4096, base_dir=Path(data_dir))
     rows: list[dict[str, Any]] = []

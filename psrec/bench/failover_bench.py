@@ -10,8 +10,8 @@
    logging per step; and what the alternative design, each trainer keeping its pushes since the last
    checkpoint, would hold in memory (pushed bytes per step x `--every`).
 
-    python benchmarks/failover_bench.py [--rows 200000] [--every 40] [--steps 200] [--rounds 3]
-    python benchmarks/failover_bench.py --skip-cost --cardinality-scale 0.2   # bigger tables
+    python -m psrec.bench.failover_bench [--rows 200000] [--every 40] [--steps 200] [--rounds 3]
+    python -m psrec.bench.failover_bench --skip-cost --cardinality-scale 0.2   # bigger tables
 
 Timings depend on the machine's load: state it with every figure.
 """
@@ -27,13 +27,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import start_ray
 from psrec.config import load_config
-from psrec.train.cluster import start_ray
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
 
-QUICKSTART = Path(__file__).parents[1] / "examples" / "quickstart.yaml"
+QUICKSTART = EXAMPLES / "quickstart.yaml"
 
 
 def run(

@@ -1,6 +1,6 @@
 """Measure the parallel strategies side by side on this machine: samples/s and memory per process.
 
-    python benchmarks/parallel_bench.py [--steps 20] [--batch 1024] [--rounds 2] [--json out.json]
+    python -m psrec.bench.parallel_bench [--steps 20] [--batch 1024] [--rounds 2] [--json out.json]
 
 Two workloads, each on synthetic data generated in memory (no reader in the loop), every case run
 in fresh forked processes (`run_local_group`), rounds interleaved so machine noise hits all alike:
@@ -13,7 +13,7 @@ in fresh forked processes (`run_local_group`), rounds interleaved so machine noi
 
 Reported per case: median samples/s over rounds, and per process the bytes of embedding rows it holds
 (CTR) or of the dense parameters of its stage (sequence). The PS over Ray is measured by
-`benchmarks/ps_bench.py`. Numbers go into docs/parallelism.md.
+`psrec/bench/ps_bench.py`. Numbers go into docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from psrec.models import DeepFM, ModelInput, SASRec
 from psrec.parallel.collective import CollectiveConnection, collective_client
 from psrec.parallel.launch import run_local_group
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper
-from psrec.parallel.placement import Placement
+from psrec.parallel.row_owners import Placement
 from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.shard import ParameterShard
-from psrec.train.lookup import BatchLookup, batch_lookup
-from psrec.train.step import StepRunner
+from psrec.trainer.lookup import BatchLookup, batch_lookup
+from psrec.trainer.step import StepRunner
 
 logger = logging.getLogger(__name__)
 

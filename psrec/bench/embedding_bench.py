@@ -14,7 +14,7 @@ Measures, in one run on one core (numba kernels are single-threaded; torch is se
 Run (about 35 s of CPU, 45-90 s wall on the shared 2-vCPU box, ~4 GB of memory at peak; results
 go to docs/benchmarks.md):
 
-    . .venv/bin/activate && python benchmarks/embedding_bench.py
+    . .venv/bin/activate && python -m psrec.bench.embedding_bench
 
 ``--rows``/``--update-rows``/``--batch`` shrink it (e.g. ``--rows 1000000`` for a quick look).
 """
@@ -30,6 +30,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +47,7 @@ from psrec.embedding import (
 logger = logging.getLogger("embedding_bench")
 
 ZIPF_EXPONENT = 1.05
+Batch = TypeVar("Batch")  # what a timed function takes: an id array, or a tensor of row numbers
 UNIFORM = InitializerSpec("uniform")  # cheaper to draw than normal where initialisation is not measured
 
 
@@ -82,9 +84,7 @@ def millions(rate: float) -> str:
 Row = tuple[str, float, float | None, str]  # (operation, psrec rate, baseline rate, baseline name)
 
 
-def timed_calls(
-    function: Callable[[np.ndarray], object], batches: list[np.ndarray]
-) -> list[Callable[[], object]]:
+def timed_calls(function: Callable[[Batch], object], batches: list[Batch]) -> list[Callable[[], object]]:
     return [functools.partial(function, batch) for batch in batches]
 
 

@@ -10,7 +10,7 @@ groups read with ranged GETs, hashing, dense transforms and batching included), 
   then train) against prefetch 2 (read while training): how much of the store's latency prefetch
   hides.
 
-Run: `python benchmarks/store_read_bench.py --rows 200000` (prints a Markdown table; the figures are
+Run: `python -m psrec.bench.store_read_bench --rows 200000` (prints a Markdown table; the figures are
 in docs/cluster.md).
 """
 
@@ -19,19 +19,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster_bench import make_bucket, start_store  # noqa: E402
-
-from psrec.data.reader import open_reader  # noqa: E402
-from psrec.data.schema import DataSource  # noqa: E402
-from psrec.data.synth import criteo_schema, write_synthetic_criteo  # noqa: E402
-from psrec.storage import StoragePath  # noqa: E402
+from psrec.bench.cluster_bench import make_bucket, start_store
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
+from psrec.data.synth import criteo_schema, write_synthetic_criteo
+from psrec.storage import StoragePath
 
 
 def rows_per_second(source: DataSource, *, batch_size: int, prefetch: int, step_s: float) -> float:

@@ -12,7 +12,7 @@ trainers. Reported, medians over `--rounds` rounds:
 - the wall time of the chunk of steps right after the switch (5 steps, the switch included) against
   the median chunk before the request: what the change costs the job, start -> training again.
 
-    python benchmarks/trainer_scale_bench.py [--rows 200000] [--steps 300] [--at 20] [--rounds 3]
+    python -m psrec.bench.trainer_scale_bench [--rows 200000] [--steps 300] [--at 20] [--rounds 3]
 
 Timings depend on the machine's load: state it (`uptime`) with every figure.
 """
@@ -27,14 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import start_ray
 from psrec.config import load_config
-from psrec.train.cluster import start_ray
+from psrec.elastic.resharding import request_scale
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
-from psrec.train.scaling import request_scale
 
-QUICKSTART = Path(__file__).parents[1] / "examples" / "quickstart.yaml"
+QUICKSTART = EXAMPLES / "quickstart.yaml"
 
 
 def run(args: argparse.Namespace, run_dir: str, *, trainers: int, to: int) -> dict[str, Any]:

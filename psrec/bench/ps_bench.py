@@ -4,7 +4,7 @@ Runs every configuration once per round, rounds interleaved so machine noise hit
 prints the median samples/s, the ratio to in-process, bytes pulled/pushed per sample and the
 validation AUC (sync vs async). Usage:
 
-    python benchmarks/ps_bench.py [--rows 400000] [--rounds 2] [--json out.json]
+    python -m psrec.bench.ps_bench [--rows 400000] [--rounds 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import start_ray
 from psrec.config import load_config
-from psrec.train.cluster import start_ray
 from psrec.train.loop import train
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -32,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" / "quickstart.yaml"))
+    parser.add_argument("--config", default=str(EXAMPLES / "quickstart.yaml"))
     parser.add_argument("--rows", type=int, default=400_000)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", help="write the results here")

@@ -13,7 +13,7 @@ round:
 
 Usage:
 
-    python benchmarks/ray_start_bench.py [--rounds 3] [--ways now,runtime-env,api-server]
+    python -m psrec.bench.ray_start_bench [--rounds 3] [--ways now,runtime-env,api-server]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROUND = textwrap.dedent(
     way = sys.argv[1]
     import ray
 
-    from psrec.train import cluster
+    from psrec.cluster import start as cluster
 
     if way == "api-server":
         cluster._without_api_server = contextlib.nullcontext

@@ -5,7 +5,7 @@ unique, which the function used before), on the distinct, shuffled row ids of a 
 Both ways run alternately, the ranges are checked equal, and the median of `--rounds` is printed.
 Usage:
 
-    python benchmarks/accounting_bench.py [--rows 400000 2000000] [--rounds 5]
+    python -m psrec.bench.accounting_bench [--rows 400000 2000000] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Runs the quickstart model (DLRM, 1 trainer + 2 shards, sync) four ways and prints one table:
 
 1. embedded: the embedded loopback cluster, data and run directory on local disk;
-2. cluster + store: a 3-node cluster (`psrec.bench.local_cluster`: one `ray start` process group per node,
+2. cluster + store: a 3-node cluster (`psrec.testing.local_cluster`: one `ray start` process group per node,
    all on 127.0.0.1), data and run directory on an S3-compatible store (moto's server, started here
    on 127.0.0.1);
 3. node loss: as 2, and a worker node holding a shard is SIGKILLed (its raylet and every actor on
@@ -14,7 +14,7 @@ Runs the quickstart model (DLRM, 1 trainer + 2 shards, sync) four ways and print
 Usage (from the repository root; the nodes share this machine's cores, so the cluster figures
 measure psrec's overheads, not more compute):
 
-    python benchmarks/cluster_bench.py [--rows 200000] [--every 40]
+    python -m psrec.bench.cluster_bench [--rows 200000] [--every 40]
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psrec.bench.local_cluster import LocalRayCluster
+from psrec.bench import EXAMPLES
+from psrec.cluster.start import token_path, write_private_token
 from psrec.config import load_config
 from psrec.data.synth import criteo_schema, write_synthetic_criteo
 from psrec.storage import StoragePath
-from psrec.train.cluster import token_path, write_private_token
+from psrec.testing.local_cluster import LocalRayCluster
 from psrec.train.data_sources import prepare_data
 from psrec.train.loop import train
 from psrec.train.runtime import RayRuntime
@@ -141,7 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", default=str(Path(__file__).parents[1] / "examples" / "quickstart.yaml"))
+    parser.add_argument("--config", default=str(EXAMPLES / "quickstart.yaml"))
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--every", type=int, default=40)
     args = parser.parse_args()

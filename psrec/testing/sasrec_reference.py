@@ -21,7 +21,8 @@ every choice that changes the numbers, written here from the algorithm, with no 
 ``max_length`` (input, next item) pairs of each user's training sequence, right-aligned, and one
 fresh negative per position drawn from the items the user never trained on.
 
-Imported as a top-level module (pytest puts this folder on sys.path); named uniquely for that reason.
+Used by tests/models (psrec's SASRec against it, step by step) and `psrec.bench.sasrec_oracle`
+(this model trained on a real data set).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class ReferenceSASRec(nn.Module):
             x = forward(forward_norm(x)) * keep
         return self.last_layernorm(x)
 
-    def forward(self, seq: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        self, seq: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L) ids each -> (positive logits, negative logits), (B, L) each."""
         feats = self.log2feats(seq)
         return (feats * self.item_emb(pos)).sum(-1), (feats * self.item_emb(neg)).sum(-1)

@@ -12,8 +12,8 @@ Shard 0 is then SIGKILLed and the bench times, in one run:
   adds the trainers' restart and the `--steps` steps computed again;
 - the log's size per push (bytes on disk, seconds writing).
 
-    python benchmarks/shard_recovery_bench.py --rows 1000000 --dim 64
-    python benchmarks/shard_recovery_bench.py --rows 10000000 --dim 64
+    python -m psrec.bench.shard_recovery_bench --rows 1000000 --dim 64
+    python -m psrec.bench.shard_recovery_bench --rows 10000000 --dim 64
 
 State the machine's load (`uptime`) with every figure; the bench prints it.
 """
@@ -34,9 +34,9 @@ import numpy as np
 
 from psrec import checkpoint
 from psrec.checkpoint.policy import checkpoint_chain
+from psrec.cluster.start import start_ray
 from psrec.embedding import SparseOptimizerSpec, TableSpec
 from psrec.ps.replay import prepare_fresh
-from psrec.train.cluster import start_ray
 
 FILL_BATCH = 1_000_000
 

@@ -6,7 +6,7 @@ shared machine disturb least, so these numbers are stable where wall-clock rates
 milliseconds of CPU per step (median of `--reps`) for psrec, plain PyTorch and the ceiling (fp32 and
 bf16 autocast), and the dense pieces (bottom MLP, interaction, top MLP) forward and forward+backward.
 
-    python benchmarks/cpu_profile.py --dim 64
+    python -m psrec.bench.cpu_profile --dim 64
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from psrec.bench.workload import Workload, build_dlrm, load_batches, prepare_sources, set_threads
 from psrec.models.base import ModelInput
+from psrec.trainer.lookup import RowLeaves
 
 
 def cpu_ms(fn: Callable[[int], Any], *, reps: int = 5, warmup: int = 1) -> float:
@@ -66,23 +67,23 @@ def profile_psrec(workload: Workload, sources: dict[str, Any], reps: int) -> dic
     out["pull"] = cpu_ms(lambda _: client.pull(plan), reps=reps)
     out["embed forward"] = cpu_ms(lambda _: client.embed(plan, pulled, batch.dense), reps=reps)
 
-    def forward(_: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inp, weights = client.embed(plan, pulled, batch.dense)
-        return model.loss(inp, labels)[0], weights
+    def forward(_: int) -> tuple[torch.Tensor, RowLeaves]:
+        inp, leaves = client.embed(plan, pulled, batch.dense)
+        return model.loss(inp, labels)[0], leaves
 
-    def forward_backward(_: int) -> dict[str, torch.Tensor]:
-        loss, weights = forward(0)
+    def forward_backward(_: int) -> RowLeaves:
+        loss, leaves = forward(0)
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        return weights
+        return leaves
 
     with_forward = cpu_ms(forward, reps=reps)
     out["model forward"] = with_forward - out["embed forward"]
     out["backward"] = cpu_ms(forward_backward, reps=reps) - with_forward
-    weights = forward_backward(0)
+    leaves = forward_backward(0)
     steps = iter(range(1_000_000, 2_000_000))
     out["push"] = cpu_ms(
-        lambda _: [h.result() for h in client.submit_push(plan, weights, step=next(steps))], reps=reps
+        lambda _: [h.result() for h in client.submit_push(plan, leaves, step=next(steps))], reps=reps
     )
     out["adam"] = cpu_ms(lambda _: optimizer.step(), reps=reps)
     out["total"] = sum(out.values())
@@ -92,7 +93,7 @@ def profile_psrec(workload: Workload, sources: dict[str, Any], reps: int) -> dic
 def profile_pytorch(workload: Workload, sources: dict[str, Any], reps: int) -> dict[str, float]:
     from psrec.bench.torch_systems import PlainEmbeddings
 
-    batches = load_batches(sources["train"], batch_size=workload.batch_size, max_batches=4)
+    batches = load_batches(sources["train"], workload, batch_size=workload.batch_size, max_batches=4)
     model = build_dlrm(workload)
     embeddings = PlainEmbeddings(workload.table_sizes(), workload.dim, workload.init_scale)
     sparse = torch.optim.Adagrad(embeddings.parameters(), lr=workload.sparse_lr)

@@ -18,7 +18,7 @@ from checkpoints after a crash, so its files need no durability of their own. Re
 (median of rounds) and the CPU seconds per 100k rows. Results go to docs/benchmarks.md ("Disk tier").
 
     . .venv/bin/activate && pip install lmdb==3.0.0 rocksdict==0.3.29 && \
-        python benchmarks/disk_store_choice.py            # about 1 min on the shared 2-vCPU box
+        python -m psrec.bench.disk_store_choice            # about 1 min on the shared 2-vCPU box
 """
 
 from __future__ import annotations
