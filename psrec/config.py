@@ -187,7 +187,7 @@ class PipelineConfig(_Strict):
     """Pipeline parallelism of the dense model (SASRec, BST): ``ps.num_trainers`` = replicas x stages.
 
     Trainer r is stage r % stages of replica r // stages; the first stage of each replica reads its
-    replica's share of the data and talks to the PS (see docs/parallelism.md, `psrec.train.pipeline_step`).
+    replica's share of the data and talks to the PS (see docs/parallelism.md, `psrec.trainer.pipeline_step`).
     """
 
     stages: int = Field(ge=2, description="stages per replica: embedding first, blocks dealt out, head last")
@@ -196,7 +196,7 @@ class PipelineConfig(_Strict):
 
 
 class PlacementConfig(_Strict):
-    """Where the actors run on a cluster of several nodes (`psrec.train.placement`, docs/cluster.md)."""
+    """Where the actors run on a cluster of several nodes (`psrec.cluster.placement`, docs/cluster.md)."""
 
     shards: Literal["spread", "any"] = Field(
         "spread", description="spread: one shard per node in turn (Ray SPREAD); any: Ray's default scheduler"

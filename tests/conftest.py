@@ -51,7 +51,7 @@ def ray_cluster(_ray_session: None, request: pytest.FixtureRequest) -> Iterator[
     first (`pytest_runtest_setup`)."""
     import ray
 
-    from psrec.train.cluster import start_ray
+    from psrec.cluster.start import start_ray
 
     if ray.is_initialized() and _SHARED_RAY.get("address") != ray.get_runtime_context().gcs_address:
         ray.shutdown()

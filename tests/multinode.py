@@ -1,5 +1,5 @@
-"""The multi-node test cluster; it lives in `psrec.bench.local_cluster`, which benchmarks use too."""
+"""The multi-node test cluster; it lives in `psrec.testing.local_cluster`, which benchmarks use too."""
 
-from psrec.bench.local_cluster import LocalRayCluster, Node, free_port
+from psrec.testing.local_cluster import LocalRayCluster, Node, free_port
 
 __all__ = ["LocalRayCluster", "Node", "free_port"]

@@ -14,7 +14,7 @@ e ceiling + ceiling-bf16; extras: pytorch-rowwise + pytorch-bf16-rowwise (row-wi
 and TorchRec), torchrec-fp16rows (fp16 tables, beside psrec-fp16rows), psrec-bf16-compile +
 ceiling-bf16-compile (torch.compile of the dense model, `training.compile`), psrec-ray-1x1,
 psrec-ray-2x2, psrec-ray-2x2-nodes (the 2x2 layout on a local cluster of two Ray nodes, one trainer
-and one shard on each: `psrec.bench.local_cluster`), psrec-ray-fp16 (ps.wire_precision fp16),
+and one shard on each: `psrec.testing.local_cluster`), psrec-ray-fp16 (ps.wire_precision fp16),
 psrec-ray-object-store (ps.shared_memory false: arrays through Ray's object store), psrec-bf16-grow (no expected_rows),
 psrec-prepared / psrec-bf16-prepared / psrec-bf16-compile-prepared (data read as `psrec data
 convert --prepared` writes it), psrec-bf16-prepared-lazy (reserved rows not populated up front:
@@ -45,11 +45,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from psrec.bench import scaling
 from psrec.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
 from psrec.bench.workload import Workload, parse_multi_hot
 
@@ -293,52 +291,8 @@ def format_profile(report: dict[str, Any]) -> str:
         )
     spanning = [row for row in rows if row.get("placement", {}).get("nodes_alive", 1) > 1]
     if spanning:
-        from psrec.train.placement import describe
+        from psrec.cluster.placement import describe
 
         lines.append("")
         lines += [f"{row['system']}: {describe(row['placement'])}" for row in spanning]
     return "\n".join(lines)
-
-
-def _layouts(text: str) -> list[tuple[int, int]]:
-    try:
-        pairs = [tuple(int(n) for n in part.lower().split("x")) for part in text.split(",") if part]
-    except ValueError:
-        pairs = []
-    if not pairs or any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
-        raise argparse.ArgumentTypeError(f"expected layouts like 8x4,32x16, got {text!r}")
-    return [(pair[0], pair[1]) for pair in pairs]
-
-
-def _speeds(text: str) -> list[float]:
-    try:
-        speeds = [float(part) for part in text.split(",") if part]
-    except ValueError:
-        speeds = []
-    if not speeds or min(speeds) <= 0:
-        raise argparse.ArgumentTypeError(f"expected link speeds in Gb/s like 10,100, got {text!r}")
-    return speeds
-
-
-def scaling_main(argv: Sequence[str] | None = None) -> int:
-    """`python -m psrec.bench.scaling`: the scaling model's report of `psrec bench --json` reports."""
-    parser = argparse.ArgumentParser(
-        prog="python -m psrec.bench.scaling",
-        description="The scaling model's inputs, check and cluster predictions from `psrec bench --json` reports.",
-    )
-    parser.add_argument("reports", nargs="+", help="bench reports (--json) of one workload")
-    parser.add_argument("--cores", type=float, default=2.0, help="cores the measured layouts shared")
-    parser.add_argument(
-        "--layouts", type=_layouts, default=list(scaling.DEFAULT_LAYOUTS), help="e.g. 8x4,32x16"
-    )
-    parser.add_argument("--gbps", type=_speeds, default=list(scaling.DEFAULT_GBPS), help="link speeds, Gb/s")
-    parser.add_argument(
-        "--queued-gbps",
-        type=_speeds,
-        default=list(scaling.QUEUED_GBPS),
-        help="link speeds of the rpc-queued bound",
-    )
-    args = parser.parse_args(argv)
-    reports = [json.loads(Path(path).read_text()) for path in args.reports]
-    print(scaling.scaling_report(reports, args.cores, args.layouts, args.gbps, args.queued_gbps))
-    return 0

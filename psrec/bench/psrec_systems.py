@@ -17,7 +17,7 @@ run in the timed steps.
 
 Ray runs start their own embedded cluster (4 logical CPUs, so a 2x2 layout fits on 2 cores) and
 measure peak RSS as the driver's plus every trainer and shard actor's peak (VmHWM, polled). A layout
-with `nodes` > 1 starts a local cluster of that many Ray nodes instead (`psrec.bench.local_cluster`,
+with `nodes` > 1 starts a local cluster of that many Ray nodes instead (`psrec.testing.local_cluster`,
 2 logical CPUs each), joins it as `psrec train` joins `ps.address`, and spreads the trainers and the
 shards evenly over the nodes: every node offers ceil(N / nodes) units of `TRAINER_RESOURCE` and
 ceil(M / nodes) of `SHARD_RESOURCE`, which `ps.placement` pins each kind of actor to. The result's
@@ -447,7 +447,7 @@ def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
     """
     import ray
 
-    from psrec.train.cluster import start_ray, stop_ray
+    from psrec.cluster.start import start_ray, stop_ray
 
     if layout.nodes == 1:
         owns_ray = not ray.is_initialized()
@@ -469,8 +469,8 @@ def _ray_cluster(layout: PsrecLayout, root: Path) -> Iterator[str | None]:
         raise RuntimeError(
             f"a layout on {layout.nodes} nodes starts its own cluster: call ray.shutdown() first"
         )
-    from psrec.bench.local_cluster import LocalRayCluster
-    from psrec.train.cluster import token_path, write_private_token
+    from psrec.cluster.start import token_path, write_private_token
+    from psrec.testing.local_cluster import LocalRayCluster
 
     token = token_path() or root / "auth_token"  # the token this process authenticates with
     write_private_token(token)

@@ -68,7 +68,7 @@ def write_split(path: Path, batches: list[TensorBatch]) -> None:
 def run_tensorflow(
     workload: Workload, sources: dict[str, Any], *, bf16: bool = False, timeout: float = 1800.0
 ) -> dict[str, Any]:
-    from psrec.train.metrics import auc
+    from psrec.trainer.metrics import auc
 
     python, reason = tensorflow_python()
     if python is None:

@@ -79,7 +79,7 @@ def timed_loop(workload: Workload, batches: list[TensorBatch], step: Callable[[T
 
 
 def _evaluate(predict: Callable[[TensorBatch], torch.Tensor], batches: list[TensorBatch]) -> float:
-    from psrec.train.metrics import auc
+    from psrec.trainer.metrics import auc
 
     scores, labels = [], []
     with torch.no_grad():
@@ -324,7 +324,7 @@ def run_ceiling(
     device = torch.device(workload.device)
     model = build_dlrm(workload).to(device)
     if compile_model:
-        from psrec.train.builders import compile_dense_model
+        from psrec.trainer.builders import compile_dense_model
 
         compile_dense_model(model)
     # As many batches as the baselines read (no batch reused within a round), each with its own

@@ -219,7 +219,7 @@ def choose_restart(
     ``actor_failure``: the error came from the actor system (the caller's test, e.g. Ray's
     ``RayError``), not from code raising inside a live process; ``dead_actors``: names of the
     processes that no longer answer; ``restarts``: recoveries (rollbacks) so far; ``failovers``:
-    shards rebuilt alone from their logs so far (`psrec.train.failover`), which spend the same
+    shards rebuilt alone from their logs so far (`psrec.elastic.shard_failover`), which spend the same
     budget. An exception raised inside a live process (a bug or bad data) is re-raised: replaying
     the steps would fail the same way.
     """

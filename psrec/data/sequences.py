@@ -300,7 +300,7 @@ class FullRankingBatch:
 
     ``batch``: "seq" (B, L) and "candidates" (1, num_items), shared by the batch; ``targets`` (B,) the
     held-out items' columns; ``seen`` (B, num_items) the items of each user's input sequence (excluded
-    from the ranking, the target itself never; `psrec.train.metrics.full_ranks`).
+    from the ranking, the target itself never; `psrec.trainer.metrics.full_ranks`).
     """
 
     batch: Batch

@@ -9,7 +9,7 @@
   (seed, id, the table's pull counter), so a run is reproducible.
 
 ``Admission.admit`` is the numba path; its oracles are ``sketch_positions_numpy`` (the same hashing
-in NumPy) and the exact per-id counter of ``psrec.embedding.reference.ReferenceTable``.
+in NumPy) and the exact per-id counter of ``psrec.testing.embedding_reference.ReferenceTable``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ ahead (the update is bound by memory latency: every touched row is a cache miss)
 so ``adagrad`` and ``rowwise_adagrad`` batches of at least ``PARALLEL_MIN_VALUES`` values update
 chunks of rows on numba's threads, each row with the same math as on one thread (identical results);
 the NaN/Inf check of large gradient arrays runs in parallel too.
-``psrec.embedding.reference`` holds the NumPy oracles.
+``psrec.testing.embedding_reference`` holds the NumPy oracles.
 """
 
 from __future__ import annotations

@@ -60,12 +60,12 @@ class EmbeddingTable:
 
     @classmethod
     def from_spec(cls, spec: TableSpec) -> EmbeddingTable:
-        """The table `spec` describes (what a shard process builds from the specs it is given): a
-        `TieredTable` when the spec has a storage tier."""
+        """The in-memory table `spec` describes; a spec with a storage tier is built by
+        `psrec.embedding.build_table` (a `TieredTable`, built on this module)."""
         if spec.storage is not None:
-            from psrec.embedding.tiered_table import build_table  # the subclass: built on this module
-
-            return build_table(spec)
+            raise ValueError(
+                f"table {spec.name!r} has a storage tier: build it with psrec.embedding.build_table(spec)"
+            )
         return cls(spec.name, spec.dim, **spec_options(spec))
 
     def __init__(

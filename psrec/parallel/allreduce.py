@@ -1,6 +1,6 @@
 """The dense-gradient allreduce: average a list of tensors across a process group.
 
-Data-parallel trainers (`psrec.train.step.StepRunner`) average their dense gradients and batch-norm
+Data-parallel trainers (`psrec.trainer.step.StepRunner`) average their dense gradients and batch-norm
 statistics with it, and pipeline replicas (`psrec.parallel.pipeline.PipelineStepper`) the gradients of
 a stage over the ranks holding that stage. The tensors are flattened into one buffer so that the
 group runs a single ``all_reduce`` (sum), which is then divided by the group's size::

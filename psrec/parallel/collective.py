@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from psrec.data.batch import Batch
 from psrec.parallel.exchange import all_to_all_flat, exchange_counts, world_size
-from psrec.parallel.placement import Placement
+from psrec.parallel.row_owners import Placement
 from psrec.ps.client import LINEAR_SUFFIX, EmbeddingClient, Pending
 from psrec.ps.shard import ParameterShard, TableGradients
 

@@ -17,7 +17,7 @@ Trainers whose dense model is on a GPU join with ``backend_for("cuda")``: GPU te
 NCCL, CPU ones (the trainers' step agreement, the collective strategy's exchanges) still by gloo;
 NCCL's own sockets go on the same interface as gloo's.
 
-Used by the Ray trainers (`psrec.train.worker`) and the multi-process helper (`psrec.parallel.launch`).
+Used by the Ray trainers (`psrec.trainer.worker`) and the multi-process helper (`psrec.parallel.launch`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
-from psrec.embedding import EmbeddingTable, TableSpec, warmup
+from psrec.embedding import TableSpec, build_table, warmup
 from psrec.ps import bucket_move
 from psrec.ps.client import Pending
 from psrec.ps.replay import LoggedShard, announce_recovery
@@ -115,7 +116,7 @@ class ShardActor:
         warmup()
         self.shard = ParameterShard(
             shard_index,
-            {spec.name: EmbeddingTable.from_spec(spec) for spec in tables},
+            {spec.name: build_table(spec) for spec in tables},
             num_trainers=num_trainers,
             mode=mode,
         )
@@ -260,7 +261,7 @@ class _RayPending:
     def __init__(
         self,
         connection: RayConnection,
-        method: str,
+        send: Callable[[Any, tuple[Any, ...]], Any],
         args: tuple[Any, ...],
         *,
         plain_args: tuple[Any, ...] | None = None,
@@ -268,17 +269,17 @@ class _RayPending:
         tables: list[str] | None = None,
     ) -> None:
         self.connection = connection
-        self.method = method
+        self.send = send  # (actor, args) -> the call's ref: `_send_pull` or `_send_push`
         self.args = args
         self.plain_args = plain_args
         self.messages = messages
         self.tables = tables  # a shared pull's tables, in the order of its reply's keys
         self.answered = False
         self.answer: Any = None  # a shared reply, once read
-        self.ref = getattr(connection.actor, method).remote(*args)
+        self.ref = send(connection.actor, args)
 
     def resend(self) -> None:
-        self.ref = getattr(self.connection.actor, self.method).remote(*self.args)
+        self.ref = self.send(self.connection.actor, self.args)
 
     def resend_plain(self) -> None:
         """Send the call again with its arrays themselves (the shard could not open the segments)."""
@@ -294,6 +295,16 @@ class _RayPending:
 
     def result(self) -> Any:
         return self.connection.result_of(self)
+
+
+def _send_pull(actor: Any, args: tuple[Any, ...]) -> Any:
+    """`ShardActor.pull` on the actor; its ref."""
+    return actor.pull.remote(*args)
+
+
+def _send_push(actor: Any, args: tuple[Any, ...]) -> Any:
+    """`ShardActor.push` on the actor; its ref."""
+    return actor.push.remote(*args)
 
 
 class RayConnection:
@@ -348,12 +359,12 @@ class RayConnection:
                 assert sent.arrays is not None and reply.reply is not None
                 shared = SharedRequest(tables, sent.arrays, reply.reply)
                 return self._submit(
-                    "pull", (shared, *args[1:]), plain_args=args, messages=(sent, reply), tables=tables
+                    _send_pull, (shared, *args[1:]), plain_args=args, messages=(sent, reply), tables=tables
                 )
             for message in (sent, reply):
                 if message is not None:
                     self.pool.release(message)
-        return self._submit("pull", args)
+        return self._submit(_send_pull, args)
 
     def push(self, trainer: int, request_id: int, step: int, gradients: TableGradients) -> Pending:
         args = (trainer, request_id, step, gradients)
@@ -370,9 +381,9 @@ class RayConnection:
                 assert sent.arrays is not None
                 shared = SharedGradients(tables, sent.arrays)
                 return self._submit(
-                    "push", (trainer, request_id, step, shared), plain_args=args, messages=(sent,)
+                    _send_push, (trainer, request_id, step, shared), plain_args=args, messages=(sent,)
                 )
-        return self._submit("push", args)
+        return self._submit(_send_push, args)
 
     def prefetch(self, requests: dict[str, np.ndarray]) -> int:
         """Tell the shard a coming training pull's ids (`ShardActor.prefetch`), not waiting for it:
@@ -395,8 +406,10 @@ class RayConnection:
                 return False
         return self._same_machine
 
-    def _submit(self, method: str, args: tuple[Any, ...], **shared: Any) -> _RayPending:
-        pending = _RayPending(self, method, args, **shared)
+    def _submit(
+        self, send: Callable[[Any, tuple[Any, ...]], Any], args: tuple[Any, ...], **shared: Any
+    ) -> _RayPending:
+        pending = _RayPending(self, send, args, **shared)
         self._outstanding.append(pending)
         return pending
 

@@ -13,7 +13,7 @@ the shard (and not logged), and a training pull carries a per-caller sequence nu
 sent again after a failure (its first copy ran, its reply was lost) is answered without inserting or
 counting anything a second time: with the rows of its first reply when it is one of the caller's
 last `REPLIES_KEPT` pulls (the shard may have applied a step's update since: a trainer that repeats
-the step it died in must see the rows that step saw; `psrec.train.trainer_failover`), else with the
+the step it died in must see the rows that step saw; `psrec.elastic.trainer_failover`), else with the
 current rows. The replies kept are rebuilt by the replay.
 
     prepare_fresh(Path("log/shard-0"))                                          # the driver, once

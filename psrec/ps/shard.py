@@ -197,7 +197,7 @@ class ParameterShard:
 
     def set_num_trainers(self, num_trainers: int) -> None:
         """From the next step on, `num_trainers` trainers' pushes complete a sync step (trainers added
-        or removed between steps, `psrec.train.trainer_scaling`)."""
+        or removed between steps, `psrec.elastic.trainer_scaling`)."""
         if self._pending is not None:
             raise RuntimeError(
                 f"shard {self.shard_index}: the trainer count changed in the middle of step {self._pending.step}"

@@ -19,7 +19,7 @@ replacement. With ``direct_ingress`` every replica also answers HTTP on its own 
 (`replica_urls`), without the proxy hop (and without its retry).
 
 HTTP listens on 127.0.0.1 unless ``host`` says otherwise; the embedded Ray cluster is loopback only
-(`psrec.train.cluster.start_ray`), and on it so is each replica's inter-deployment gRPC server, which
+(`psrec.cluster.start.start_ray`), and on it so is each replica's inter-deployment gRPC server, which
 Serve itself would open on every interface (`keep_replica_grpc_on_loopback`).
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 from ray import serve
 
+from psrec.cluster.start import LOOPBACK
 from psrec.serve.requests import DEFAULT_MAX_ROWS, ParsedRequest, RequestError, decode_body, parse_request
-from psrec.train.cluster import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +210,9 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
     (Serve's proxy; `replica_urls` lists the replicas' own with ``direct_ingress``)."""
     import ray
 
+    from psrec.cluster.start import start_ray
     from psrec.serve.model_dir import ExportError, read_manifest
     from psrec.storage import location
-    from psrec.train.cluster import start_ray
 
     manifest = read_manifest(location(model_dir))  # a clear error here, before any replica starts
     large = _large_tables(model_dir, manifest, options)
@@ -248,7 +248,7 @@ def start_serving(model_dir: str, options: ServeOptions, *, address: str | None 
 
 def _start_ray_with(environment: dict[str, str], cpus: int | None) -> None:
     """The embedded cluster, its processes started with ``environment`` (this process's is restored)."""
-    from psrec.train.cluster import environment_set, start_ray
+    from psrec.cluster.start import environment_set, start_ray
 
     with environment_set(environment):
         start_ray(None, num_cpus=cpus)
@@ -339,8 +339,8 @@ def stop_serving() -> None:
 
 def serve_forever(model_dir: str, options: ServeOptions, *, address: str | None = None) -> None:
     """`psrec serve`: serve until interrupted (Ctrl-C or SIGTERM), then stop the app, Ray Serve and
-    Ray, and end what is left of the embedded cluster's processes (`psrec.train.cluster.stop_ray`)."""
-    from psrec.train.cluster import stop_ray
+    Ray, and end what is left of the embedded cluster's processes (`psrec.cluster.start.stop_ray`)."""
+    from psrec.cluster.start import stop_ray
 
     try:
         start_serving(model_dir, options, address=address)  # interrupted too: what started is stopped

@@ -45,7 +45,7 @@ from psrec.serve.model_dir import (
 )
 from psrec.serve.tables import PRECISIONS, ServingTable, TableSource, decode_rows
 from psrec.storage import Location, StoragePath, location
-from psrec.train import builders
+from psrec.trainer import builders
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 replaced whole by `swap` (the delta follower builds the next one aside), and every call reads the
 version once at its start, so a request is scored entirely by one version, never by half a delta.
 
-The model input is built as the trainer builds it (`psrec.train.lookup`): a single-valued
+The model input is built as the trainer builds it (`psrec.trainer.lookup`): a single-valued
 feature's row, the sum of a multi-valued feature's rows (``embedding_bag``), sequences padded with
 zero rows, linear terms from the ``<table>__linear`` companions; ids a table does not hold read
 as the trainer's evaluation reads them (`psrec.serve.tables`).

@@ -59,7 +59,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psrec.train.startup import paused_gc
+    from psrec.trainer.startup import paused_gc
 
     with paused_gc():  # the start-up's imports (see paused_gc); the config's need no torch
         from psrec.checkpoint import CheckpointError
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with paused_gc():
             if config.ps.runtime == "ray":  # Ray starts while this process imports the training code
-                from psrec.train.cluster import start_ray_importing
+                from psrec.cluster.start import start_ray_importing
 
                 started_ray = start_ray_importing(config, "psrec.train.loop")
             from psrec.train.loop import train
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         if started_ray:
-            from psrec.train.cluster import stop_ray
+            from psrec.cluster.start import stop_ray
 
             stop_ray()
     hidden = ("history", "tables", "phase_seconds", "checkpoints")
@@ -162,7 +162,7 @@ def format_profile(summary: dict[str, Any]) -> str:
     Phases run off the trainer's critical path (``*_overlapped``, e.g. the planner thread reading and
     routing the next batches) are listed below the total: they overlap the phases above.
     """
-    from psrec.train.step import OVERLAPPED
+    from psrec.trainer.step import OVERLAPPED
 
     phases = summary.get("phase_seconds", {})
     critical = {k: v for k, v in phases.items() if not k.endswith(OVERLAPPED)}

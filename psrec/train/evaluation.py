@@ -17,7 +17,7 @@ from typing import Literal
 
 import numpy as np
 
-from psrec.train.metrics import auc, logloss, ranking_metrics
+from psrec.trainer.metrics import auc, logloss, ranking_metrics
 
 Action = Literal["improved", "decay", "stop"]
 

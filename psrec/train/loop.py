@@ -36,6 +36,7 @@ from psrec.checkpoint.files import discard_directory
 from psrec.checkpoint.format import MANIFEST_FILE
 from psrec.checkpoint.policy import RestartDecision, choose_restart
 from psrec.config import ConfigError, RunConfig
+from psrec.elastic.resharding import ScaleController
 from psrec.train.accounting import (
     EMPTY,
     id_ranges,
@@ -44,15 +45,14 @@ from psrec.train.accounting import (
     ranges_to_json,
     union_ranges,
 )
-from psrec.train.chunks import ChunkResult
 from psrec.train.data_sources import start_preparing_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
-from psrec.train.metrics import BinaryMetricAccumulator
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
 from psrec.train.runtime import Runtime, make_runtime
-from psrec.train.scaling import ScaleController
-from psrec.train.startup import paused_gc, startup_report
+from psrec.trainer.chunks import ChunkResult
+from psrec.trainer.metrics import BinaryMetricAccumulator
+from psrec.trainer.startup import paused_gc, startup_report
 
 logger = logging.getLogger(__name__)
 

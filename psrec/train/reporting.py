@@ -39,7 +39,7 @@ def _tensorboard_classes() -> tuple[Any, Any, Any] | None:
 
 
 # Imported with this module (0.12-0.14 s): `psrec train` on Ray imports the driver's code, this module
-# included, while Ray starts (`psrec.train.cluster.start_ray_importing`), not once its actors are up.
+# included, while Ray starts (`psrec.cluster.start.start_ray_importing`), not once its actors are up.
 _TENSORBOARD = _tensorboard_classes()
 
 

@@ -9,7 +9,7 @@ saved and restored by one routine (`RuntimeBase.save_checkpoint`, `RuntimeBase.r
 holds the tables.
 
 The Ray runtime starts an embedded single-machine cluster on loopback when no address is given, or
-joins the cluster at `ps.address` (`psrec.train.cluster`). `shutdown()` kills every actor it started,
+joins the cluster at `ps.address` (`psrec.cluster.start`). `shutdown()` kills every actor it started,
 on success, error or Ctrl-C.
 """
 
@@ -23,23 +23,30 @@ import numpy as np
 
 from psrec import checkpoint
 from psrec.checkpoint import CheckpointRef, FileRecord, PendingCheckpoint
+from psrec.cluster import placement
+from psrec.cluster.groups import ActorGroup, Partitions, answers, gather
+from psrec.cluster.start import ray_start_arguments, required_cpus, settle_lost_actors, start_ray, stop_ray
 from psrec.config import ConfigError, RunConfig
+from psrec.elastic import trainer_failover, trainer_scaling
+from psrec.elastic.runtime_api import ElasticRuntime, ShardSet
+from psrec.elastic.shard_failover import ShardFailover
+from psrec.elastic.shard_set import LocalShards, RayShards
 from psrec.embedding.tiered_table import tier_rates
+from psrec.ps.actors import ShardActor
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.ps.shared_arrays import unlink_job_segments
 from psrec.threads import set_thread_counts
-from psrec.train import builders, placement, trainer_failover, trainer_scaling
-from psrec.train.chunks import ChunkResult
-from psrec.train.cluster import ray_start_arguments, required_cpus, settle_lost_actors, start_ray, stop_ray
-from psrec.train.failover import ShardFailover, call_shards
-from psrec.train.worker import TrainerWorker
+from psrec.trainer import builders
+from psrec.trainer.chunks import ChunkResult
+from psrec.trainer.worker import TrainerWorker
 
 logger = logging.getLogger(__name__)
 
 
-class Runtime(Protocol):
-    """What the driver calls, at step boundaries."""
+class Runtime(ElasticRuntime, Protocol):
+    """What the driver calls, at step boundaries (and, through `ElasticRuntime`, what the resharding
+    controller it runs needs)."""
 
     def start_epoch(self, epoch: int) -> None: ...
 
@@ -89,23 +96,17 @@ class RuntimeBase:
 
     config: RunConfig
     _lr_factor: float = 1.0
-    # bucket -> shard once the shard count changed while training (`psrec.train.scaling`), and its version
+    # bucket -> shard once the shard count changed while training (`psrec.elastic.resharding`), and its version
     _bucket_map: np.ndarray | None = None
     _routing_version: int = 0
-    # where each actor runs (`psrec.train.placement.placement_report`); empty in process
+    # where each actor runs (`psrec.cluster.placement.placement_report`); empty in process
     placement: dict[str, Any] = {}  # replaced per runtime, never mutated
 
     # -- primitives ------------------------------------------------------------------------------
-    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
-        """Call `TrainerWorker.<method>(*arguments[i])` on trainer i, all together; their results."""
-        raise NotImplementedError
-
-    def _first_trainer(self, method: str, *args: Any) -> Any:
-        raise NotImplementedError
-
-    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
-        """Call `ParameterShard.<method>(*args)` on every table partition; their results in order."""
-        raise NotImplementedError
+    # the trainers and the table partitions (shards, or each trainer's under strategy "collective"),
+    # called through `psrec.cluster.groups`: in process or on Ray, the same typed calls
+    trainer_group: ActorGroup[TrainerWorker]
+    partitions: Partitions
 
     def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
         raise NotImplementedError
@@ -122,51 +123,60 @@ class RuntimeBase:
         """Bucket -> shard now: the config's layout until the shard count changes while training."""
         return builders.bucket_map(self.config) if self._bucket_map is None else self._bucket_map
 
-    def _all_trainers(self, method: str, *args: Any) -> list[Any]:
-        return self._each_trainer(method, [args] * self.num_trainers)
+    @property
+    def routing_version(self) -> int:
+        """The version of `bucket_map`: 0 for the config's layout, raised by each resharding."""
+        return self._routing_version
+
+    def set_bucket_map(self, bucket_map: np.ndarray, version: int) -> None:
+        """Route by `bucket_map` (version `version`) from now on; trainers started later get it."""
+        self._bucket_map, self._routing_version = bucket_map, version
 
     def start_epoch(self, epoch: int) -> None:
-        self._all_trainers("start_epoch", epoch)
+        self.trainer_group.call(TrainerWorker.start_epoch, epoch)
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
-        return self._all_trainers("train_steps", max_steps)
+        return self.trainer_group.call(TrainerWorker.train_steps, max_steps)
 
     def epoch_steps(self) -> int | None:
-        steps = self._all_trainers("epoch_steps")
-        return None if None in steps else max(steps)  # sync trainers step together
+        steps = self.trainer_group.call(TrainerWorker.epoch_steps)
+        known = [count for count in steps if count is not None]
+        return max(known) if len(known) == len(steps) else None  # sync trainers step together
 
     def evaluate(self, split: str) -> dict[str, np.ndarray]:
-        parts = self._all_trainers("evaluate", split)
+        parts = self.trainer_group.call(TrainerWorker.evaluate, split)
         return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
     def scale_learning_rates(self, factor: float, *, dense: bool = True) -> None:
         self._lr_factor *= factor
         if dense:
-            self._all_trainers("set_dense_learning_rate", factor)
+            self.trainer_group.call(TrainerWorker.set_dense_learning_rate, factor)
         specs = builders.table_specs(self.config)
         for name, spec in specs.items():
-            self._on_partitions("set_learning_rate", spec.optimizer.lr * self._lr_factor, [name])
+            self.partitions.call(
+                ParameterShard.set_learning_rate, spec.optimizer.lr * self._lr_factor, [name]
+            )
 
     def save_snapshot(self, tag: str) -> None:
-        self._all_trainers("save_snapshot", tag)
-        self._on_partitions("save_snapshot", tag)
+        self.trainer_group.call(TrainerWorker.save_snapshot, tag)
+        self.partitions.call(ParameterShard.save_snapshot, tag)
 
     def restore_snapshot(self, tag: str) -> None:
-        self._all_trainers("restore_snapshot", tag)
-        self._on_partitions("restore_snapshot", tag)
+        self.trainer_group.call(TrainerWorker.restore_snapshot, tag)
+        self.partitions.call(ParameterShard.restore_snapshot, tag)
 
     def table_stats(self) -> dict[str, dict[str, float]]:
-        return _sum_stats(self._on_partitions("stats"))
+        return _sum_stats(self.partitions.call(ParameterShard.stats))
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        return _merge_rows(self._on_partitions("table_rows"))
+        return _merge_rows(self.partitions.call(ParameterShard.table_rows))
 
     def dense_states(self) -> list[dict[str, Any]]:
-        return self._all_trainers("dense_state")
+        return self.trainer_group.call(TrainerWorker.dense_state)
 
     def compute_settings(self) -> list[dict[str, int | str]]:
         """Each trainer's thread counts and CPU dispatch, as its steps see them (`psrec.threads`)."""
-        return self._all_trainers("compute_settings")
+        return self.trainer_group.call(TrainerWorker.compute_settings)
 
     def save_checkpoint(
         self, run_dir: str, *, kind: str, parent: CheckpointRef | None, extra: dict[str, Any]
@@ -174,14 +184,14 @@ class RuntimeBase:
         """Every partition writes its own file in parallel, the first trainer's dense state and every
         trainer's position go in, then the manifest commits it; the partitions then forget the rows
         the checkpoint holds (their next delta starts from it)."""
-        states = self._all_trainers("checkpoint_state")
+        states = self.trainer_group.call(TrainerWorker.checkpoint_state)
         pending = checkpoint.begin_checkpoint(run_dir, step=int(states[0]["step"]), kind=kind)  # type: ignore[arg-type]
         try:
             records = self._write_partitions(pending, kind)
             ref = checkpoint.commit_checkpoint(
                 pending,
                 shard_files=dict(enumerate(records)),
-                dense=self._first_trainer("dense_checkpoint"),
+                dense=self.trainer_group.call_first(TrainerWorker.dense_checkpoint),
                 trainers=states,
                 extra=extra,
                 config=self.config.fingerprint_dict(),
@@ -191,7 +201,7 @@ class RuntimeBase:
         except BaseException:
             checkpoint.abort_checkpoint(pending)
             raise
-        self._on_partitions("confirm_checkpoint")
+        self.partitions.call(ParameterShard.confirm_checkpoint)
         self._checkpoint_committed(ref)
         return ref
 
@@ -201,11 +211,11 @@ class RuntimeBase:
     def restore(self, chain: list[CheckpointRef]) -> dict[str, Any]:
         """Load `chain` into every partition and trainer; returns the step, the first trainer's state
         and the driver's `extra`. A chain of another trainer count deals the rest of its epoch to
-        these trainers (`psrec.train.trainer_scaling.dealt_states`)."""
+        these trainers (`psrec.elastic.trainer_scaling.dealt_states`)."""
         data = checkpoint.load_checkpoint(chain[-1], shards=[])
         self._restore_partitions(chain, data.step)
         states = trainer_scaling.dealt_states(data.trainers, self.num_trainers)  # another trainer count
-        self._each_trainer("restore", [(data.dense, state) for state in states])
+        self.trainer_group.call_each(TrainerWorker.restore, [(data.dense, state) for state in states])
         self._lr_factor = 1.0
         self.scale_learning_rates(float(data.extra.get("lr_factor", 1.0)), dense=False)
         return {"step": data.step, **states[0], "extra": data.extra}
@@ -259,19 +269,16 @@ class LocalRuntime(RuntimeBase):
             config, 0, list(self.shards), base_dir=base_dir, data_sources=data_sources
         )
         self._lr_factor = 1.0
+        self.trainer_group = ActorGroup(lambda: [self.trainer], on_ray=False)
+        self.partitions = Partitions(ActorGroup(lambda: self.shards, on_ray=False), held_by="process")
 
     @property
     def num_trainers(self) -> int:
         return 1
 
-    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
-        return [getattr(self.trainer, method)(*args) for args in arguments]
-
-    def _first_trainer(self, method: str, *args: Any) -> Any:
-        return getattr(self.trainer, method)(*args)
-
-    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
-        return [getattr(shard, method)(*args) for shard in self.shards]
+    def shard_set(self) -> ShardSet:
+        """The shards as the resharding controller changes them (`psrec.elastic.shard_set`)."""
+        return LocalShards(self)
 
     def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
         return [write_shard_checkpoint(shard, pending, kind) for shard in self.shards]
@@ -300,14 +307,12 @@ class RayRuntime(RuntimeBase):
     with the dead one), dead shards are re-created, and every shard and trainer is restored from the
     given checkpoint chain, so the whole job continues from the last committed checkpoint. With
     ``fault_tolerance.shard_failover`` a dead shard is first rebuilt alone, in place, from its
-    checkpoint file and its log (`psrec.train.failover`), and a trainer that dies while training is
-    replaced alone (`psrec.train.trainer_failover`); `recover` runs only when that fails.
+    checkpoint file and its log (`psrec.elastic.shard_failover`), and a trainer that dies while training is
+    replaced alone (`psrec.elastic.trainer_failover`); `recover` runs only when that fails.
     """
 
     def __init__(self, config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> None:
         import ray
-
-        from psrec.ps.actors import ShardActor
 
         self.config = config
         # strategy "collective": no shard actors, every trainer holds a partition of the tables.
@@ -351,6 +356,16 @@ class RayRuntime(RuntimeBase):
         self.placement: dict[str, Any] = {}
         self.shards: list[Any] = []
         self.trainers: list[Any] = []
+        self.trainer_group = ActorGroup(lambda: self.trainers, on_ray=True)
+        # a shard being restarted (shard failover) is sent its call again once it is back
+        self.shard_group: ActorGroup[ShardActor] = ActorGroup(
+            lambda: self.shards, on_ray=True, resend=self._failover is not None
+        )
+        self.partitions = (
+            Partitions(self.trainer_group, held_by="trainers")
+            if self.collective
+            else Partitions(self.shard_group, held_by="shard_actors")
+        )
         # trainer failover: each trainer's place at the last step boundary, attempts, reports
         self.cursors = [trainer_failover.Cursor(0, 0, None) for _ in range(config.ps.num_trainers)]
         self._failover_attempts = 0
@@ -358,13 +373,14 @@ class RayRuntime(RuntimeBase):
         self._trainer_options: list[dict[str, Any]] = []
         try:
             if not self.collective:
-                self.shards = [self._start_shard(i) for i in range(config.ps.num_shards)]
+                self.shards = [self.start_shard(i) for i in range(config.ps.num_shards)]
             self._start_trainers()
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_shard(self, index: int) -> Any:
+    def start_shard(self, index: int) -> Any:
+        """A new actor for shard `index`, placed as the config says (not yet answering)."""
         ps = self.config.ps
         options = placement.actor_options(
             ps.shard_resources,
@@ -386,12 +402,13 @@ class RayRuntime(RuntimeBase):
         ps = self.config.ps
         self._trainer_options = self._trainer_group.start(ps.num_trainers)
         self.trainers = [self.start_trainer(i) for i in range(ps.num_trainers)]
-        _get([s.pid.remote() for s in self.shards] + [t.pid.remote() for t in self.trainers], timeout=300)
-        self._report_placement()
+        self.shard_group.within(300).call(ShardActor.pid)
+        self.trainer_group.within(300).call(TrainerWorker.pid)
+        self.report_placement()
         if ps.num_trainers > 1:
             self.form_group(None)
 
-    # -- trainer failover (`psrec.train.trainer_failover.TrainerActors`) ---------------------------
+    # -- trainer failover (`psrec.elastic.trainer_failover.TrainerActors`) ---------------------------
     def start_trainer(self, index: int, config: RunConfig | None = None) -> Any:
         """A new actor for trainer `index`, in its place of the trainers' placement group; trainers
         added while training (`config`: the run's with the new trainer count) are placed by Ray."""
@@ -413,23 +430,31 @@ class RayRuntime(RuntimeBase):
             **routing,
         )
 
+    def adopt_trainers(self, trainers: list[Any], config: RunConfig) -> None:
+        """Train with `trainers` (handles, in rank order) under `config` (the trainer count changed
+        while training, `psrec.elastic.trainer_scaling`)."""
+        self.trainers, self.config = trainers, config
+        del self._trainer_options[len(trainers) :]
+
     def form_group(self, timeout_s: float | None, join_timeout_s: float | None = None) -> None:
         """Every trainer joins a new process group (the dense allreduce), trainer 0 serving its store.
         When a trainer dies meanwhile, the others' calls are waited for (their wait to join fails
         after `join_timeout_s`) before the failure is raised: they answer calls again then."""
         import ray
 
-        address, port = ray.get(self.trainers[0].listen_for_group.remote(), timeout=60)
-        refs = [t.init_process_group.remote(address, port, timeout_s, join_timeout_s) for t in self.trainers]
+        address, port = self.trainer_group.within(60).call_first(TrainerWorker.listen_for_group)
+        refs = self.trainer_group.submit(
+            TrainerWorker.init_process_group, address, port, timeout_s, join_timeout_s
+        )
         try:
-            _get(refs)
+            gather(refs)
         except BaseException:
             if join_timeout_s is not None:
                 ray.wait(refs, num_returns=len(refs), timeout=join_timeout_s + 30)
             raise
 
     def answers(self, actor: Any, timeout: float) -> bool:
-        return _answers(actor, timeout=timeout)
+        return answers(actor, timeout=timeout)
 
     def spend_restart(self) -> bool:
         spent = self._failover_attempts + len(self._failover.failovers() if self._failover else [])
@@ -441,7 +466,7 @@ class RayRuntime(RuntimeBase):
     def record(self, report: dict[str, Any]) -> None:
         logger.warning("trainer failover: %s", report)
         self._trainer_failovers.append(report)
-        self._report_placement()
+        self.report_placement()
 
     def train_steps(self, max_steps: int) -> list[ChunkResult]:
         # the config of now: a trainer count changed while training (`trainer_scaling`) decides too
@@ -457,7 +482,7 @@ class RayRuntime(RuntimeBase):
         restored = super().restore(chain)
         self.cursors = [
             trainer_failover.Cursor(int(s["step"]), int(s["epoch"]), s["position"])
-            for s in self._all_trainers("checkpoint_state")
+            for s in self.trainer_group.call(TrainerWorker.checkpoint_state)
         ]
         return restored
 
@@ -466,37 +491,21 @@ class RayRuntime(RuntimeBase):
     def num_trainers(self) -> int:
         return len(self.trainers)
 
-    def _each_trainer(self, method: str, arguments: list[tuple[Any, ...]]) -> list[Any]:
-        return _get(
-            [getattr(t, method).remote(*args) for t, args in zip(self.trainers, arguments, strict=True)]
-        )
-
-    def _first_trainer(self, method: str, *args: Any) -> Any:
-        return _get([getattr(self.trainers[0], method).remote(*args)])[0]
-
-    def _partition_calls(self, method: str, *args: Any) -> list[Any]:
-        """Refs of `ShardActor.<method>` on every shard, or of the same call on each collective
-        trainer's local partition (`TrainerWorker.shard_<method>`)."""
-        if self.collective:
-            return [getattr(t, f"shard_{method}").remote(*args) for t in self.trainers]
-        return [getattr(s, method).remote(*args) for s in self.shards]
-
-    def _partitions(self, method: str, *args: Any) -> list[Any]:
-        if self._failover is not None:  # a shard being restarted answers once it is back
-            return call_shards(self.shards, method, *args)
-        return _get(self._partition_calls(method, *args))
-
-    def _on_partitions(self, method: str, *args: Any) -> list[Any]:
-        return self._partitions("call", method, *args)
+    def shard_set(self) -> ShardSet | None:
+        """The shard actors as the resharding controller changes them (`psrec.elastic.shard_set`);
+        None under strategy "collective" (the trainers hold the tables)."""
+        return None if self.collective else RayShards(self)
 
     def _write_partitions(self, pending: PendingCheckpoint, kind: str) -> list[FileRecord]:
-        return self._partitions("write_checkpoint", pending, kind)
+        if self.collective:
+            return self.trainer_group.call(TrainerWorker.shard_write_checkpoint, pending, kind)
+        return self.shard_group.call(ShardActor.write_checkpoint, pending, kind)
 
     def _restore_partitions(self, chain: list[CheckpointRef], step: int) -> None:
         if self.collective:
-            self._partitions("restore", chain, step)
+            self.trainer_group.call(TrainerWorker.shard_restore, chain, step)
         else:  # a chain of another shard count is resharded on the way in
-            self._partitions("restore", chain, step, self.bucket_map())
+            self.shard_group.call(ShardActor.restore, chain, step, self.bucket_map())
 
     def _checkpoint_committed(self, ref: CheckpointRef) -> None:
         if self._failover is not None:
@@ -512,17 +521,15 @@ class RayRuntime(RuntimeBase):
             self._failover.reports(self.shards) if self._failover is not None else [None] * len(self.shards)
         )
 
-    def _report_placement(self) -> None:
+    def report_placement(self) -> None:
         """Where each actor landed: logged, kept for summary.json (`placement_report`)."""
         import ray
 
-        locations = _get([a.location.remote() for a in [*self.shards, *self.trainers]], timeout=60)
+        shards = self.shard_group.within(60).call(ShardActor.location)
+        trainers = self.trainer_group.within(60).call(TrainerWorker.location)
         alive = sum(1 for node in ray.nodes() if node.get("Alive"))
         self.placement = placement.placement_report(
-            self.config.ps.placement,
-            shards=locations[: len(self.shards)],
-            trainers=locations[len(self.shards) :],
-            nodes=alive,
+            self.config.ps.placement, shards=shards, trainers=trainers, nodes=alive
         )
         logger.info("%s", placement.describe(self.placement))
 
@@ -531,7 +538,7 @@ class RayRuntime(RuntimeBase):
         """Names of the actors that no longer answer (a failed call may be a symptom of one of them)."""
         named = [(f"trainer {i}", a) for i, a in enumerate(self.trainers)]
         named += [(f"shard {i}", a) for i, a in enumerate(self.shards)]
-        return [name for name, actor in named if not _answers(actor, timeout=5.0)]
+        return [name for name, actor in named if not answers(actor, timeout=5.0)]
 
     def recover(self, chain: list[CheckpointRef]) -> dict[str, Any] | None:
         """Replace dead actors and roll every shard and trainer back to `chain` (or to a fresh start)."""
@@ -540,7 +547,7 @@ class RayRuntime(RuntimeBase):
         settle_lost_actors([*self.trainers, *self.shards])  # replacements must not land on a dying node
         for trainer in self.trainers:
             ray.kill(trainer)
-        dead = [i for i, shard in enumerate(self.shards) if not _answers(shard)]
+        dead = [i for i, shard in enumerate(self.shards) if not answers(shard)]
         logger.warning("recovering: re-creating trainers and shards %s", dead)
         if not chain:  # nothing committed yet: start over with fresh tables everywhere
             dead = list(range(len(self.shards)))
@@ -548,7 +555,7 @@ class RayRuntime(RuntimeBase):
             ray.kill(self.shards[index])
             if self._failover is not None:  # it is restored from the checkpoint, not its log
                 self._failover.forget(index)
-            self.shards[index] = self._start_shard(index)
+            self.shards[index] = self.start_shard(index)
         self._start_trainers()
         if not chain:
             self._lr_factor = 1.0
@@ -562,7 +569,7 @@ class RayRuntime(RuntimeBase):
             return
         for trainer in self.trainers:
             with contextlib.suppress(Exception):  # best effort: the actor is killed next
-                ray.get(trainer.shutdown.remote(), timeout=10)
+                ray.get(trainer.shutdown.remote(), timeout=10)  # one at a time: each may hang
         for actor in [*self.trainers, *self.shards]:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
@@ -573,29 +580,6 @@ class RayRuntime(RuntimeBase):
             failover.close()
         if self._owns_ray:
             stop_ray()
-
-
-def _get(refs: list[Any], timeout: float | None = None) -> list[Any]:
-    """ray.get that raises as soon as any call fails (ray.get(list) may first wait on a blocked one)."""
-    import ray
-
-    pending = list(refs)
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not ready:
-            raise TimeoutError(f"{len(pending)} actor calls did not answer within {timeout} s")
-        ray.get(ready)  # raises the call's error, if any
-    return ray.get(list(refs))
-
-
-def _answers(actor: Any, timeout: float = 10.0) -> bool:
-    import ray
-
-    try:
-        ray.get(actor.pid.remote(), timeout=timeout)
-    except Exception:  # noqa: BLE001 - any failure means the actor must be replaced
-        return False
-    return True
 
 
 def make_runtime(config: RunConfig, *, base_dir: str, data_sources: dict[str, dict[str, Any]]) -> Runtime:

@@ -98,8 +98,8 @@ def test_the_bench_starts_ray_as_psrec_train_does_on_loopback_only(
     from ray._private import ray_constants
 
     from psrec.bench.psrec_systems import PsrecLayout, bench_config, run_psrec
+    from psrec.cluster.start import _actor_start_settings, ray_start_arguments
     from psrec.config import parse_config
-    from psrec.train.cluster import _actor_start_settings, ray_start_arguments
     from tests.bench.test_bench import tiny_workload
 
     if ray.is_initialized():

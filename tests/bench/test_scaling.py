@@ -1,4 +1,4 @@
-"""The scaling model (`psrec.bench.scaling`) against arithmetic done by hand, and its command line.
+"""The scaling model (`psrec.bench.throughput_model`) against arithmetic done by hand, and its command line.
 
 The oracle of every number here is the arithmetic written out in the test, not the model's code.
 """
@@ -10,9 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from psrec.bench import scaling
-from psrec.bench.cli import scaling_main
-from psrec.bench.scaling import BYTES_PER_GBIT, StepCosts, predict, prediction_table, rate_text, step_seconds
+from psrec.bench import throughput_model as scaling
+from psrec.bench.throughput_model import (
+    BYTES_PER_GBIT,
+    StepCosts,
+    predict,
+    prediction_table,
+    rate_text,
+    step_seconds,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +158,7 @@ def test_the_command_prints_inputs_check_and_predictions(
     ]
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"workload": {"dim": 64, "batch_size": 4096}, "rows": rows}))
-    assert scaling_main([str(report), "--layouts", "8x4,128x32", "--gbps", "10,100"]) == 0
+    assert scaling.main([str(report), "--layouts", "8x4,128x32", "--gbps", "10,100"]) == 0
     out = capsys.readouterr().out
     assert "| bytes pulled per sample, p | 901 B |" in out  # from the across-nodes run
     nodes_row = next(
@@ -169,12 +175,12 @@ def test_the_command_refuses_reports_of_different_workloads(tmp_path: Path) -> N
     for name, dim in (("a.json", 64), ("b.json", 16)):
         (tmp_path / name).write_text(json.dumps({"workload": {"dim": dim}, "rows": []}))
     with pytest.raises(ValueError, match="different workloads"):
-        scaling_main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+        scaling.main([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
 
 
 def test_the_docs_tables_are_what_the_stored_report_gives(capsys: pytest.CaptureFixture[str]) -> None:
     """docs/scaling.md shows the command's output for docs/data/scaling.json as it is."""
-    scaling_main([str(ROOT / "docs" / "data" / "scaling.json")])
+    scaling.main([str(ROOT / "docs" / "data" / "scaling.json")])
     out = capsys.readouterr().out
     doc = (ROOT / "docs" / "scaling.md").read_text()
     tables = [block for block in out.split("\n\n") if block.startswith("|")]

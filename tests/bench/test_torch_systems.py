@@ -20,8 +20,8 @@ from psrec.bench.torch_systems import (
     torchrec_unavailable,
 )
 from psrec.bench.workload import TensorBatch, Workload
-from psrec.embedding.reference import new_state, reference_step
 from psrec.embedding.specs import SparseOptimizerSpec
+from psrec.testing.embedding_reference import new_state, reference_step
 from tests.bench.test_bench import tiny_workload
 
 

@@ -8,7 +8,7 @@ import torch
 
 from psrec.embedding import EmbeddingTable, SparseOptimizerSpec
 from psrec.embedding.optimizers import aggregate_gradients
-from psrec.embedding.reference import ReferenceTable
+from psrec.testing.embedding_reference import ReferenceTable
 
 DIM = 8
 NUM_IDS = 12

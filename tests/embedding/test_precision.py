@@ -7,7 +7,7 @@ import pytest
 
 from psrec.embedding import EmbeddingTable, SparseOptimizerSpec
 from psrec.embedding.precision import RowStorage
-from psrec.embedding.reference import int8_round_trip_numpy
+from psrec.testing.embedding_reference import int8_round_trip_numpy
 
 
 def _special_float32_values() -> np.ndarray:

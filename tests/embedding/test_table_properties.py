@@ -17,7 +17,7 @@ from psrec.embedding import (
     TableDelta,
     TableState,
 )
-from psrec.embedding.reference import ReferenceTable
+from psrec.testing.embedding_reference import ReferenceTable
 
 DIM = 4
 INT64_MIN = np.iinfo(np.int64).min

@@ -12,13 +12,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from psrec.embedding import (
-    AdmissionSpec,
-    EmbeddingTable,
-    EvictionSpec,
-    SparseOptimizerSpec,
-    TieredTable,
-)
+from psrec.embedding import AdmissionSpec, EmbeddingTable, EvictionSpec, SparseOptimizerSpec, TieredTable
 
 DIM = 4
 INT64_MIN = np.iinfo(np.int64).min

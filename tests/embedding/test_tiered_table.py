@@ -207,6 +207,8 @@ def test_build_table_from_spec(tmp_path):
     )
     table = build_table(spec)
     assert isinstance(table, TieredTable) and table.memory_rows == 3
+    with pytest.raises(ValueError, match="build_table"):  # the in-memory class builds no disk tier
+        EmbeddingTable.from_spec(spec)
     reserved = build_table(
         TableSpec(
             "t", 4, optimizer=OPTIMIZERS["sgd"], initial_rows=100,

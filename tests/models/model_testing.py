@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from psrec.models.base import ModelInput
-from psrec.train.metrics import auc
+from psrec.trainer.metrics import auc
 
 BATCH, NUM_DENSE, NUM_SPARSE, DIM = 4, 3, 5, 8
 

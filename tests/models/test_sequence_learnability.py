@@ -10,7 +10,7 @@ from torch import nn
 
 from psrec.models import BehaviorSequenceTransformer, SASRec
 from psrec.models.base import ModelInput
-from psrec.train.metrics import auc, hit_rate, sampled_ranks
+from psrec.trainer.metrics import auc, hit_rate, sampled_ranks
 
 NUM_ITEMS, LENGTH, DIM = 30, 6, 16
 

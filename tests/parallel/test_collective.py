@@ -13,12 +13,12 @@ from psrec.embedding import EmbeddingTable, SparseOptimizerSpec
 from psrec.models import DeepFM
 from psrec.parallel.collective import CollectiveConnection, collective_client
 from psrec.parallel.launch import run_local_group
-from psrec.parallel.placement import Placement
+from psrec.parallel.row_owners import Placement
 from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.routing import bucket_of
 from psrec.ps.shard import ParameterShard
-from psrec.train.lookup import BatchLookup, batch_lookup
-from psrec.train.step import StepRunner
+from psrec.trainer.lookup import BatchLookup, batch_lookup
+from psrec.trainer.step import StepRunner
 
 TABLES = ("C1", "C2", "C3")
 DIM = 4

@@ -28,12 +28,12 @@ from psrec.config import load_config
 from psrec.data.reader import open_reader
 from psrec.parallel.collective import CollectiveConnection, collective_client, lockstep_batches
 from psrec.parallel.launch import run_local_group
-from psrec.parallel.placement import Placement
+from psrec.parallel.row_owners import Placement
 from psrec.ps.shard import ParameterShard
-from psrec.train import builders
-from psrec.train.lookup import BatchLookup
-from psrec.train.metrics import auc
-from psrec.train.step import StepRunner
+from psrec.trainer import builders
+from psrec.trainer.lookup import BatchLookup
+from psrec.trainer.metrics import auc
+from psrec.trainer.step import StepRunner
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "frappe_deepfm.yaml"

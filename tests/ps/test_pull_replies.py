@@ -1,6 +1,6 @@
 """A training pull sent again is answered with the rows its first copy got, even after an update.
 
-A trainer that dies in step s is replaced and step s runs again (`psrec.train.trainer_failover`);
+A trainer that dies in step s is replaced and step s runs again (`psrec.elastic.trainer_failover`);
 by then a shard may have applied step s (every trainer's push had arrived). The repeated pull must
 return what step s read the first time, not the updated rows, and must not count or insert ids again.
 The oracle is a plain `ParameterShard` given the same operations once, its pulls recorded as they ran.

@@ -18,9 +18,9 @@ from psrec.serve.model_dir import MODEL_FILE, ExportContents, ExportError, load_
 from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
 from psrec.serve.tables import ServingTable, TableSource
-from psrec.train import builders
-from psrec.train.metrics import auc
 from psrec.train.runtime import LocalRuntime
+from psrec.trainer import builders
+from psrec.trainer.metrics import auc
 from tests.conftest import small_run_config
 
 MODELS: list[dict[str, Any]] = [

@@ -97,7 +97,7 @@ def _bst_model(tmp_path: Path, item_values: list[str]) -> ServingModel:
     from psrec.serve.export import export_programs, serving_description
     from psrec.serve.model_dir import ExportContents
     from psrec.serve.tables import ServingTable, TableSource
-    from psrec.train import builders
+    from psrec.trainer import builders
     from tests.serve.test_export import MODELS, _config_for
 
     config = _config_for(next(m for m in MODELS if m["name"] == "bst"), tmp_path)

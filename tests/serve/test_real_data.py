@@ -21,8 +21,8 @@ from psrec.serve.export import chain_to, export_run
 from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
 from psrec.train.loop import train
-from psrec.train.metrics import auc
 from psrec.train.runtime import LocalRuntime
+from psrec.trainer.metrics import auc
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -24,7 +24,7 @@ from tests.conftest import is_loopback, listening_sockets
 
 START_TIMEOUT_S = 180.0
 # SIGTERM -> exit: Serve deletes the app (its replica gets Serve's graceful shutdown), Ray shuts
-# down, and psrec ends what is left of the cluster's processes (psrec.train.cluster.stop_ray)
+# down, and psrec ends what is left of the cluster's processes (psrec.cluster.start.stop_ray)
 EXIT_TIMEOUT_S = 60.0
 
 

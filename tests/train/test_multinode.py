@@ -1,4 +1,4 @@
-"""psrec on a Ray cluster of three nodes (`psrec/bench/local_cluster.py`), with data and run directory on an
+"""psrec on a Ray cluster of three nodes (`psrec/testing/local_cluster.py`), with data and run directory on an
 S3-compatible store (moto on 127.0.0.1): shards spread over the nodes, a whole node lost mid-run,
 a shard killed, the driver killed and the run resumed from the store.
 
@@ -25,8 +25,8 @@ import pytest
 import torch
 import yaml
 
-from psrec.bench.local_cluster import LocalRayCluster
 from psrec.storage import StorageError, StoragePath
+from psrec.testing.local_cluster import LocalRayCluster
 from psrec.train.loop import train
 from tests.conftest import small_run_config
 from tests.train.test_object_store_run import _upload
@@ -52,7 +52,7 @@ def cluster(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
     if ray.is_initialized():
         ray.shutdown()
-    from psrec.train.cluster import token_path, write_private_token
+    from psrec.cluster.start import token_path, write_private_token
 
     root = tmp_path_factory.mktemp("cluster")
     token = token_path() or root / "auth_token"  # this process's token (see LocalRayCluster.token)

@@ -137,7 +137,7 @@ def test_two_stage_pipeline_on_ray_equals_the_unsplit_model(
 def run_synchronize(rank: int, world_size: int) -> dict[str, Any]:
     from psrec.models import SASRec
     from psrec.parallel.pipeline import PipelineLayout
-    from psrec.train.pipeline_step import PipelineStepRunner
+    from psrec.trainer.pipeline_step import PipelineStepRunner
 
     torch.manual_seed(0)
     model = SASRec(8, max_length=8, num_blocks=2, num_heads=1, dropout=0.0)

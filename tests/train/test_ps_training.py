@@ -18,10 +18,10 @@ from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
 from psrec.ps.client import LocalConnection, linear_table_name
 from psrec.ps.shard import ParameterShard
-from psrec.train import builders
-from psrec.train.lookup import batch_lookup
 from psrec.train.loop import train
-from psrec.train.step import StepRunner
+from psrec.trainer import builders
+from psrec.trainer.lookup import batch_lookup
+from psrec.trainer.step import StepRunner
 from tests.conftest import small_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +192,7 @@ def test_unreachable_ray_address_fails_fast() -> None:
     import socket
     import time
 
-    from psrec.train.cluster import check_reachable
+    from psrec.cluster.start import check_reachable
 
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -115,7 +115,7 @@ def test_full_ranking_run_equals_a_numpy_ranking_and_leaves_the_sampled_metrics(
     untrained = np.setdiff1d(np.arange(1, NUM_ITEMS + 1), ids)
     if untrained.size:
         from psrec.embedding.initializers import initial_rows_numpy
-        from psrec.train import builders
+        from psrec.trainer import builders
 
         [spec] = [spec for spec in builders.shard_table_specs(config) if spec.name == "items"]
         table[untrained] = initial_rows_numpy(untrained, DIM, spec.initializer, spec.seed)

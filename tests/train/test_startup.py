@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from psrec.train import builders
 from psrec.train.loop import train
-from psrec.train.startup import paused_gc, startup_report
+from psrec.trainer import builders
+from psrec.trainer.startup import paused_gc, startup_report
 from tests.conftest import small_run_config
 
 
@@ -168,7 +168,7 @@ def test_psrec_train_starts_its_cluster_while_it_imports(
 
 def test_a_local_run_does_not_import_the_compiler(synthetic_sources: dict[str, Any], tmp_path: Path) -> None:
     """`psrec train --local` trains without importing `torch._dynamo` (about 0.6 s of start-up): the
-    dense optimizer is psrec's (`psrec.train.dense_optimizer`), and only `training.compile` needs it."""
+    dense optimizer is psrec's (`psrec.trainer.dense_optimizer`), and only `training.compile` needs it."""
     config = small_run_config(
         synthetic_sources, tmp_path / "run", **{"training.max_steps": 2, "checkpoint.enabled": False}
     )

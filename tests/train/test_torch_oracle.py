@@ -32,7 +32,7 @@ from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource
 from psrec.embedding.initializers import initial_rows_numpy
 from psrec.models.base import ModelInput
-from psrec.train import builders
+from psrec.trainer import builders
 from tests.conftest import small_run_config
 
 STEPS = 50
