@@ -37,6 +37,7 @@ from psrec.checkpoint.policy import checkpoint_chain
 from psrec.cluster.start import start_ray
 from psrec.embedding import SparseOptimizerSpec, TableSpec
 from psrec.ps.replay import prepare_fresh
+from psrec.ps.shard import ParameterShard
 
 FILL_BATCH = 1_000_000
 
@@ -61,7 +62,7 @@ def commit(actor: Any, run_dir: Path, step: int) -> list[Any]:
         bucket_map=[0],
         parent=None,
     )
-    ray.get(actor.call.remote("confirm_checkpoint"))
+    ray.get(actor.call.remote(ParameterShard.confirm_checkpoint))
     chain = checkpoint_chain(ref, checkpoint.list_checkpoints(run_dir))
     assert isinstance(chain, list)
     ray.get(actor.checkpointed.remote(chain))

@@ -203,7 +203,8 @@ class Partitions:
 
         if kwargs:
             raise TypeError("maintenance calls to shard actors take positional arguments only")
-        # the method's name travels: a shard actor logs it for replay (`psrec.ps.replay`)
+        # the method itself travels (pickled by reference); a shard actor checks it is one of
+        # ParameterShard's maintenance methods and logs its name for replay (`psrec.ps.replay`)
         if self.held_by == "shard_actors":
-            return self.holders.call(ShardActor.call, method.__name__, *args)
-        return self.holders.call(TrainerWorker.shard_call, method.__name__, *args)
+            return self.holders.call(ShardActor.call, method, *args)
+        return self.holders.call(TrainerWorker.shard_call, method, *args)

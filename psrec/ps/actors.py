@@ -45,7 +45,7 @@ from psrec.threads import set_thread_counts
 
 logger = logging.getLogger(__name__)
 
-# ParameterShard's maintenance methods a driver may call through `ShardActor.call`.
+# ParameterShard's maintenance methods a driver may run on a shard (`ShardActor.call`).
 MAINTENANCE_METHODS = frozenset(
     {
         "stats",
@@ -60,6 +60,14 @@ MAINTENANCE_METHODS = frozenset(
         "version_log",
     }
 )
+
+
+def maintenance_name(method: Callable[..., Any]) -> str:
+    """The name of `method` when it is one of ParameterShard's `MAINTENANCE_METHODS`, else ValueError."""
+    name = getattr(method, "__name__", "")
+    if name not in MAINTENANCE_METHODS or getattr(ParameterShard, name, None) is not method:
+        raise ValueError(f"not one of ParameterShard's maintenance methods: {method!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -187,13 +195,14 @@ class ShardActor:
             }
         )
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots, learning rate)."""
-        if method not in MAINTENANCE_METHODS:
-            raise ValueError(f"ShardActor.call: unknown method {method!r}")
+    def call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Run `method`, one of ParameterShard's `MAINTENANCE_METHODS` (stats, evict, snapshots,
+        learning rate; the function itself, as ``ParameterShard.stats``), on this shard; with shard
+        failover the call is logged by its name for replay."""
+        name = maintenance_name(method)
         if self.logged is not None:
-            return self.logged.call(method, *args)
-        return getattr(self.shard, method)(*args)
+            return self.logged.call(name, *args)
+        return method(self.shard, *args)
 
     def write_checkpoint(self, pending: PendingCheckpoint, kind: str) -> FileRecord:
         """Write this shard's file of a pending checkpoint (shards write in parallel)."""

@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,9 @@ from psrec.config import RunConfig
 from psrec.data.background import InputGate
 from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
+from psrec.machine import describe_machine
 from psrec.parallel import rendezvous
-from psrec.ps.actors import RayConnection, actor_location
+from psrec.ps.actors import RayConnection, actor_location, maintenance_name
 from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
@@ -98,6 +100,10 @@ class TrainerWorker:
             split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
         }
         self.device = builders.training_device(self.config)  # cpu unless training.device says otherwise
+        # training.dense_precision, resolved on this trainer's machine (auto: bf16 where it is native)
+        self.dense_precision = builders.dense_precision(self.config, self.device)
+        if self.dense_precision.warning is not None:
+            logger.warning("trainer %d: %s", trainer_index, self.dense_precision.warning)
         with paused_gc():  # the model and its optimizer (see paused_gc)
             model = builders.build_model_for(self.config).to(self.device)  # initialised on the CPU
             self.model = builders.maybe_compile(model, self.config)
@@ -196,7 +202,7 @@ class TrainerWorker:
             mode=self.config.ps.mode,
             staleness=self.config.ps.staleness,
             grad_clip_norm=training.grad_clip_norm,
-            bf16=training.dense_precision == "bf16",
+            bf16=self.dense_precision.resolved == "bf16",
             input_gate=self._input_gate,
         )
 
@@ -235,9 +241,12 @@ class TrainerWorker:
         ]
 
     # -- the local shard of strategy "collective" ------------------------------------------------
-    def shard_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def shard_call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """Run `method`, one of ParameterShard's maintenance methods, on this trainer's partition
+        (strategy "collective"), as `ShardActor.call` does on a shard."""
         assert self.local_shard is not None, "shard_call needs strategy 'collective'"
-        return getattr(self.local_shard, method)(*args, **kwargs)
+        maintenance_name(method)  # refuses any other method
+        return method(self.local_shard, *args)
 
     def shard_write_checkpoint(self, pending: Any, kind: str) -> Any:
         assert self.local_shard is not None
@@ -563,6 +572,16 @@ class TrainerWorker:
     def compute_settings(self) -> dict[str, int | str]:
         """The thread counts and CPU dispatch this trainer's steps run with (`psrec.threads`)."""
         return compute_settings()
+
+    def machine_report(self) -> dict[str, Any]:
+        """The machine this trainer computes on (`psrec.machine.describe_machine`, with its GPU when the
+        model is on one) and the dense precision resolved there, as ``summary.json`` records them."""
+        import torch
+
+        machine = describe_machine()
+        if self.device.type == "cuda":
+            machine["gpu"] = torch.cuda.get_device_name(self.device)
+        return {"machine": machine, "dense_precision": self.dense_precision.to_dict()}
 
     def pid(self) -> int:
         return os.getpid()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from psrec.config import RunConfig
-from psrec.ps.shard import VersionRead
+from psrec.ps.shard import ParameterShard, VersionRead
 from tests.conftest import small_run_config
 
 STEPS = 40
@@ -74,7 +74,7 @@ def train_recorded(
         if ray_shards:
             import ray
 
-            ray.get([shard.call.remote("record_versions") for shard in runtime.shards])
+            ray.get([shard.call.remote(ParameterShard.record_versions) for shard in runtime.shards])
         else:
             for shard in runtime.shards:
                 shard.record_versions()
@@ -87,7 +87,7 @@ def train_recorded(
             assert result.steps == CHUNK
             losses.append(result.loss_sum / result.samples)
         if ray_shards:
-            logs = ray.get([shard.call.remote("version_log") for shard in runtime.shards])
+            logs = ray.get([shard.call.remote(ParameterShard.version_log) for shard in runtime.shards])
         else:
             logs = [shard.version_log() for shard in runtime.shards]
         assert [len(log) for log in logs] == [STEPS] * len(logs)
