@@ -51,6 +51,47 @@ _COLUMN_COUNT = re.compile(r"Expected (\d+) columns, got (\d+)")
 _CONVERSION = re.compile(r"In CSV column #(\d+): .*?conversion error to (\w+): invalid value '(.*)'", re.S)
 
 
+def parse_lines(
+    data: bytes,
+    names: list[str],
+    types: dict[str, pa.DataType],
+    *,
+    delimiter: str,
+    quoted: bool,
+    threads: bool = True,
+) -> pa.Table:
+    """Lines of delimited text (columns `names` in order) parsed to the columns `types` names (see the
+    module docstring; empty = missing). Raises pyarrow's ArrowInvalid for a line that does not parse
+    (`parse_failure` says why, by column name).
+
+    Single threaded, columns convert in order: a bad line's first bad column is the one named.
+    """
+    read = pa_csv.ReadOptions(column_names=names, use_threads=threads, block_size=1 << 20)
+    parse = pa_csv.ParseOptions(delimiter=delimiter, quote_char='"' if quoted else False)
+    convert = pa_csv.ConvertOptions(
+        column_types=types,
+        include_columns=list(types),
+        null_values=[""],
+        strings_can_be_null=False,
+        quoted_strings_can_be_null=False,
+    )
+    return pa_csv.read_csv(pa.py_buffer(data), read, parse, convert)
+
+
+def parse_failure(error: Exception, names: list[str]) -> str:
+    """Why `parse_lines` failed on a line, in the schema's words (column count, column name and text)."""
+    message = str(error)
+    match = _COLUMN_COUNT.search(message)
+    if match:
+        return f"expected {match[1]} columns, got {match[2]}"
+    match = _CONVERSION.search(message)
+    if match:
+        index = int(match[1])
+        name = names[index] if index < len(names) else f"#{index}"
+        return f"column {name}: cannot parse {match[3]!r} as {match[2]}"
+    return message.splitlines()[0] if message else type(error).__name__
+
+
 class DelimitedFormat:
     """Reads csv / criteo_tsv units; see `psrec.data.reader.FormatReader`."""
 
@@ -90,39 +131,15 @@ class DelimitedFormat:
         self._columns[path] = names
         return names
 
-    def _options(
-        self, path: str, threads: bool = True
-    ) -> tuple[pa_csv.ReadOptions, pa_csv.ParseOptions, pa_csv.ConvertOptions]:
-        names = self._check_columns(path)
-        read = pa_csv.ReadOptions(column_names=names, use_threads=threads, block_size=1 << 20)
-        quote = '"' if self.source.format == "csv" else False
-        parse = pa_csv.ParseOptions(delimiter=self.source.text_delimiter, quote_char=quote)
-        convert = pa_csv.ConvertOptions(
-            column_types=self.types,
-            include_columns=list(self.types),
-            null_values=[""],
-            strings_can_be_null=False,
-            quoted_strings_can_be_null=False,
-        )
-        return read, parse, convert
-
     def _parse(self, data: bytes, path: str, threads: bool = True) -> pa.Table:
-        # Single threaded, columns convert in order: a bad line's first bad column is the one named.
-        read, parse, convert = self._options(path, threads)
-        return pa_csv.read_csv(pa.py_buffer(data), read, parse, convert)
+        names = self._check_columns(path)
+        quoted = self.source.format == "csv"
+        return parse_lines(
+            data, names, self.types, delimiter=self.source.text_delimiter, quoted=quoted, threads=threads
+        )
 
     def _reason(self, error: Exception, path: str) -> str:
-        message = str(error)
-        match = _COLUMN_COUNT.search(message)
-        if match:
-            return f"expected {match[1]} columns, got {match[2]}"
-        match = _CONVERSION.search(message)
-        if match:
-            names = self._columns[path]
-            index = int(match[1])
-            name = names[index] if index < len(names) else f"#{index}"
-            return f"column {name}: cannot parse {match[3]!r} as {match[2]}"
-        return message.splitlines()[0] if message else type(error).__name__
+        return parse_failure(error, self._columns[path])
 
     def _bisect(
         self, block: LineBlock, lines: np.ndarray, path: str, bad: list[int], stray: np.ndarray
