@@ -3,7 +3,8 @@
 Public names (imported lazily, so `import psrec` stays cheap): `Schema`, `DenseFeature`,
 `SparseFeature`, `SequenceFeature`, `DataSource`, `open_reader`, `BatchReader`, `hash_values`,
 `write_synthetic_criteo`, `criteo_schema`, `BadRowError`, `load_interactions`, `evaluation_batches`,
-`sasrec_schema`, `convert_to_parquet`.
+`sasrec_schema`, `convert_to_parquet`, and the Kafka stream source: `KafkaSource`, `open_kafka_reader`,
+`partitions_for`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _EXPORTS = {
     "evaluation_batches": "psrec.data.sequences",
     "sasrec_schema": "psrec.data.sequences",
     "convert_to_parquet": "psrec.data.convert",
+    "KafkaSource": "psrec.data.kafka_source",
+    "open_kafka_reader": "psrec.data.kafka_source",
+    "partitions_for": "psrec.data.kafka_source",
 }
 
 __all__ = sorted(_EXPORTS)

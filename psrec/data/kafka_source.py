@@ -1,0 +1,395 @@
+"""Kafka topics as a stream source: the partitions a trainer is dealt, read as `Batch`es with an exact
+position, with the standard client (confluent-kafka, i.e. librdkafka).
+
+psrec owns the consumer position. The source reads the partitions it is given (`assign`, never a
+consumer group's rebalancing; `partitions_for` deals a topic's partitions to trainers), from explicit
+offsets: its position is plain JSON, topic -> partition -> next offset to read::
+
+    {"version": 1, "format": "kafka", "offsets": {"clicks": {"0": 1200, "1": 1187}}}
+
+A checkpoint stores it with the model; `open_kafka_reader(..., position=it)` resumes exactly after
+the last row delivered: no row skipped, none twice. Nothing is committed to the broker
+(`enable.auto.commit` is off) and a partition absent from the position starts at its first offset.
+An offset that the broker no longer holds (retention) raises instead of jumping ahead.
+
+Each message is one row, decoded by `psrec.data.message_format` (a JSON object with the schema's
+column names, or a CSV/TSV line in a given column order) into the same raw table a file of those
+rows gives, then hashed and transformed by `features.prepare_table` as the file readers do: a stream
+row and a file row become the same batch. Bad messages follow the source's `on_error` like bad file
+rows (`BadRowError` naming topic, partition and offset, or counted in `stats()` and skipped; a
+position is past the bad messages before its last row, so only those after the last row delivered
+are read, and counted, again on resume). Rows
+are delivered in the order they arrive: in offset order within a partition, interleaved across
+partitions as the client fetches them. Each row's `row_id` says where it came from::
+
+    row_id = ((topic_index << 16) | partition) << 40 | offset   # topic_index: in `KafkaSource.topics`
+
+When the source ends: with `until`, when every partition reached its end offset (a mapping
+topic -> partition -> end offset, exclusive, or "end": the partition's end when the source reaches
+it); with `idle_timeout_s`, when no message arrived for that long; the last batch may then be short.
+With neither, the source keeps waiting for messages (continuous) until it is closed.
+
+    source = KafkaSource(bootstrap_servers="127.0.0.1:9092", topics=["clicks"], message_format="json")
+    mine = partitions_for(rank, world, topic_partitions(source))
+    with open_kafka_reader(source, schema, batch_size=4096, partitions=mine, until="end") as reader:
+        for batch in reader:
+            train_step(batch)
+            checkpoint_data = reader.position()
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import Consumer, KafkaError
+from confluent_kafka import TopicPartition as KafkaPartition
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from psrec.data.background import InputGate, checkpoint
+from psrec.data.batch import Batch
+from psrec.data.errors import BadRows
+from psrec.data.features import prepare_table, table_to_batch
+from psrec.data.message_format import MessageDecoder, MessageFormat
+from psrec.data.reader import BatchReader
+from psrec.data.schema import Schema
+from psrec.data.units import OFFSET_BITS
+
+logger = logging.getLogger(__name__)
+
+POSITION_VERSION = 1
+PARTITION_BITS = 16
+MAX_TOPICS = 1 << (63 - OFFSET_BITS - PARTITION_BITS)  # row ids stay non-negative int64
+MAX_MESSAGES_PER_POLL = 10_000
+METADATA_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0
+
+TopicPartition = tuple[str, int]
+# Consumer errors that waiting does not mend (others, such as a broker down, are retried by the client).
+_FATAL_CODES = {
+    KafkaError.UNKNOWN_TOPIC_OR_PART,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.OFFSET_OUT_OF_RANGE,
+}
+Until = Mapping[str, Mapping[Any, int]] | Literal["end"] | None
+
+
+class KafkaSource(BaseModel):
+    """Where the stream comes from and how its messages read (validated like `DataSource`).
+
+    `client`: more librdkafka settings (security, SASL, fetch sizes, `group.id`); psrec sets
+    `enable.auto.commit: false` and explicit offsets whatever they say. `columns` and `delimiter`
+    apply to csv/tsv messages (see `psrec.data.message_format`). `poll_timeout_s`: the longest one
+    poll of the broker waits (also how soon a closed reader notices).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: str = Field(min_length=1)
+    topics: list[str] = Field(min_length=1, max_length=MAX_TOPICS)
+    message_format: MessageFormat = "json"
+    columns: list[str] | None = None
+    delimiter: str | None = Field(default=None, min_length=1, max_length=1)
+    on_error: Literal["raise", "skip"] = "raise"
+    client: dict[str, str | int | float | bool] = {}
+    poll_timeout_s: float = Field(default=0.5, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> KafkaSource:
+        if len(set(self.topics)) != len(self.topics):
+            raise ValueError(f"topics named twice: {self.topics}")
+        if self.message_format == "json" and (self.columns is not None or self.delimiter is not None):
+            raise ValueError("columns and delimiter apply to csv/tsv messages, not json")
+        return self
+
+
+def partitions_for(
+    trainer: int, num_trainers: int, partitions: Iterable[TopicPartition]
+) -> list[TopicPartition]:
+    """The partitions trainer `trainer` of `num_trainers` reads: every `num_trainers`-th of them in
+    (topic, partition) order, starting at `trainer`. The trainers' shares are disjoint and together
+    cover every partition; with more trainers than partitions, some get none."""
+    if not 0 <= trainer < num_trainers:
+        raise ValueError(f"trainer {trainer} is not one of {num_trainers} trainers")
+    return sorted(set(partitions))[trainer::num_trainers]
+
+
+def consumer_config(source: KafkaSource) -> dict[str, Any]:
+    """The librdkafka settings the source's consumers run with (see `KafkaSource`)."""
+    return {
+        "group.id": "psrec",  # required by the client; never joined (assign) nor committed to
+        "logger": logging.getLogger(f"{__name__}.librdkafka"),
+        **source.client,
+        "bootstrap.servers": source.bootstrap_servers,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "error",  # an offset no longer held raises, never silently jumps
+    }
+
+
+def topic_partitions(source: KafkaSource, timeout: float = METADATA_TIMEOUT_S) -> list[TopicPartition]:
+    """Every (topic, partition) of the source's topics, from the broker's metadata. Asks for all
+    topics, never one by name: some brokers create a topic that is asked for."""
+    consumer = Consumer(consumer_config(source))
+    try:
+        metadata = consumer.list_topics(timeout=timeout)
+    finally:
+        consumer.close()
+    found: list[TopicPartition] = []
+    for topic in source.topics:
+        if topic not in metadata.topics or metadata.topics[topic].error is not None:
+            raise ValueError(f"topic {topic!r} does not exist on {source.bootstrap_servers}: create it first")
+        found.extend((topic, partition) for partition in metadata.topics[topic].partitions)
+    return sorted(found)
+
+
+def position_offsets(position: Mapping[str, Any]) -> dict[TopicPartition, int]:
+    """(topic, partition) -> next offset of a Kafka reader's position (partition keys as text or int)."""
+    if position.get("format") != "kafka" or position.get("version") != POSITION_VERSION:
+        raise ValueError(
+            f"not a Kafka reader's position (format {position.get('format')!r}, version "
+            f"{position.get('version')!r}; expected 'kafka', {POSITION_VERSION})"
+        )
+    return {
+        (topic, int(partition)): int(offset)
+        for topic, partitions in position["offsets"].items()
+        for partition, offset in partitions.items()
+    }
+
+
+def kafka_position(offsets: Mapping[TopicPartition, int]) -> dict[str, Any]:
+    """The JSON position of next offsets per (topic, partition) (see the module docstring)."""
+    nested: dict[str, dict[str, int]] = {}
+    for (topic, partition), offset in sorted(offsets.items()):
+        nested.setdefault(topic, {})[str(partition)] = int(offset)
+    return {"version": POSITION_VERSION, "format": "kafka", "offsets": nested}
+
+
+def row_id_slot(topic_index: int, partition: int) -> int:
+    """The high bits of the row ids of one partition (see the module docstring)."""
+    if not 0 <= partition < 1 << PARTITION_BITS:
+        raise ValueError(f"partition {partition} is beyond the row id layout's {1 << PARTITION_BITS}")
+    return ((topic_index << PARTITION_BITS) | partition) << OFFSET_BITS
+
+
+@dataclass
+class _Block:
+    """One poll's messages decoded: the prepared rows, and where every message (good or bad) was."""
+
+    table: pa.Table | None  # prepared rows, in message order
+    row_message: np.ndarray  # (rows,) index of each row's message
+    slots: list[TopicPartition]  # (messages,) topic and partition of each message
+    offsets: np.ndarray  # (messages,) offset of each message
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows if self.table is not None else 0
+
+    def advance(self, offsets: dict[TopicPartition, int], start: int, stop: int) -> int:
+        """Move `offsets` past messages [start, stop) of the block; returns `stop`."""
+        for index in range(start, stop):
+            offsets[self.slots[index]] = int(self.offsets[index]) + 1
+        return max(start, stop)
+
+
+def _batches(
+    blocks: Iterator[_Block], start: dict[TopicPartition, int], *, batch_size: int, drop_last: bool
+) -> Iterator[tuple[pa.Table, dict[TopicPartition, int]]]:
+    """Cut the blocks' rows into tables of `batch_size` rows, each with the offsets after it: past
+    every message up to its last row's, bad messages among them included."""
+    offsets = dict(start)
+    pending: list[pa.Table] = []
+    count = 0
+    for block in blocks:
+        passed = 0  # messages of the block that `offsets` is past
+        taken = 0
+        while taken < block.num_rows:
+            assert block.table is not None
+            take = min(batch_size - count, block.num_rows - taken)
+            pending.append(block.table.slice(taken, take))
+            count += take
+            taken += take
+            if count == batch_size:
+                passed = block.advance(offsets, passed, int(block.row_message[taken - 1]) + 1)
+                yield pa.concat_tables(pending), dict(offsets)
+                pending, count = [], 0
+        block.advance(offsets, passed, block.offsets.size)  # later batches are past its bad messages too
+    if pending and not drop_last:
+        yield pa.concat_tables(pending), dict(offsets)
+
+
+class _Consumption:
+    """Polls the assigned partitions and decodes each poll into a `_Block` until the source ends."""
+
+    def __init__(
+        self,
+        source: KafkaSource,
+        decoder: MessageDecoder,
+        start: dict[TopicPartition, int],
+        ends: dict[TopicPartition, int],
+        *,
+        until_end: bool,
+        idle_timeout_s: float | None,
+        max_messages: int,
+    ) -> None:
+        self.source = source
+        self.decoder = decoder
+        self.start = start
+        self.ends = ends
+        self.until_end = until_end
+        self.idle_timeout_s = idle_timeout_s
+        self.max_messages = max_messages
+        self.slot_bases = {
+            (topic, partition): row_id_slot(source.topics.index(topic), partition)
+            for topic, partition in start
+        }
+        self.active = {tp for tp, offset in start.items() if tp not in ends or offset < ends[tp]}
+
+    def blocks(self) -> Iterator[_Block]:
+        if not self.active:
+            return
+        consumer = Consumer(consumer_config(self.source))
+        try:
+            consumer.assign([KafkaPartition(t, p, self.start[(t, p)]) for t, p in sorted(self.active)])
+            last_message = time.monotonic()
+            while self.active:
+                checkpoint()  # a closed reader's prefetch thread stops here
+                messages = consumer.consume(self.max_messages, timeout=self.source.poll_timeout_s)
+                kept = [message for message in messages if self._keep(message, consumer)]
+                if kept:
+                    last_message = time.monotonic()
+                    yield self._decode(kept)
+                elif (
+                    self.idle_timeout_s is not None and time.monotonic() - last_message > self.idle_timeout_s
+                ):
+                    logger.info("no message for %.1f s: the stream source ends", self.idle_timeout_s)
+                    return
+        finally:
+            consumer.close()
+
+    def _finish(self, tp: TopicPartition, consumer: Consumer) -> None:
+        if tp in self.active:
+            self.active.discard(tp)
+            consumer.pause([KafkaPartition(*tp)])
+
+    def _keep(self, message: Any, consumer: Consumer) -> bool:
+        """True for a message to decode; handles the end of partitions and the client's errors."""
+        tp = (message.topic(), message.partition())
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                if self.until_end:
+                    self._finish(tp, consumer)
+                return False
+            where = f"topic {tp[0]!r} partition {tp[1]}" if tp[0] else "the stream"
+            if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                raise ValueError(
+                    f"{where}: the offset to read is no longer on the broker ({error.str()}); the "
+                    "position is older than the topic's retention: events were lost before psrec read them"
+                )
+            if error.fatal() or error.code() in _FATAL_CODES:
+                raise RuntimeError(f"{where}: Kafka consumer error: {error.str()}")
+            logger.warning("%s: Kafka consumer error (retried): %s", where, error.str())
+            return False
+        if tp not in self.active:
+            return False  # fetched before its partition was paused
+        end = self.ends.get(tp)
+        if end is not None and message.offset() >= end:
+            self._finish(tp, consumer)
+            return False
+        if end is not None and message.offset() + 1 >= end:
+            self._finish(tp, consumer)
+        return True
+
+    def _decode(self, messages: list[Any]) -> _Block:
+        slots = [(message.topic(), message.partition()) for message in messages]
+        offsets = np.array([message.offset() for message in messages], dtype=np.int64)
+        row_ids = np.array([self.slot_bases[slot] for slot in slots], dtype=np.int64) + offsets
+
+        def locate(index: int) -> tuple[str, str]:
+            topic, partition = slots[index]
+            return f"topic {topic!r} partition {partition}", f"offset {int(offsets[index])}"
+
+        table, kept = self.decoder.decode([message.value() for message in messages], row_ids, locate)
+        if table is not None:
+            table = prepare_table(self.decoder.schema, table, self.decoder.errors)
+        return _Block(table, kept, slots, offsets)
+
+
+def _end_offsets(until: Until, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+    if until is None or until == "end":
+        return {}
+    ends = {}
+    for topic, partition in partitions:
+        named = until.get(topic, {})
+        for key in (partition, str(partition)):
+            if key in named:
+                ends[(topic, partition)] = int(named[key])
+    return ends
+
+
+def open_kafka_reader(
+    source: KafkaSource,
+    schema: Schema,
+    *,
+    batch_size: int,
+    partitions: Sequence[TopicPartition] | None = None,
+    position: Mapping[str, Any] | None = None,
+    until: Until = None,
+    idle_timeout_s: float | None = None,
+    prefetch: int = 2,
+    drop_last: bool = False,
+    gate: InputGate | None = None,
+) -> BatchReader:
+    """Read `partitions` (default: every partition of the source's topics) as batches of `batch_size`
+    rows; see the module docstring.
+
+    position: `reader.position()` of an earlier reader of the same topics (its other partitions are
+    ignored). until: where each partition ends (exclusive offsets, topic -> partition -> offset;
+    partitions not named do not end) or "end" (each partition's end when reached). idle_timeout_s:
+    end when no message arrived for this long. prefetch, drop_last, gate: as `open_reader`'s.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if idle_timeout_s is not None and idle_timeout_s <= 0:
+        raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+    assigned = sorted(set(partitions)) if partitions is not None else topic_partitions(source)
+    if not assigned:
+        raise ValueError("no partitions to read: more trainers than partitions? (see partitions_for)")
+    unknown = sorted({topic for topic, _ in assigned} - set(source.topics))
+    if unknown:
+        raise ValueError(f"partitions of topics {unknown}, which are not the source's topics {source.topics}")
+    earlier = position_offsets(position) if position is not None else {}
+    start = {tp: earlier.get(tp, 0) for tp in assigned}
+    errors = BadRows(source.on_error)
+    decoder = MessageDecoder(
+        schema, source.message_format, errors, columns=source.columns, delimiter=source.delimiter
+    )
+    consumption = _Consumption(
+        source,
+        decoder,
+        start,
+        _end_offsets(until, assigned),
+        until_end=until == "end",
+        idle_timeout_s=idle_timeout_s,
+        max_messages=min(max(batch_size, 100), MAX_MESSAGES_PER_POLL),
+    )
+
+    def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
+        for table, offsets in _batches(
+            consumption.blocks(), start, batch_size=batch_size, drop_last=drop_last
+        ):
+            yield table_to_batch(schema, table), kafka_position(offsets)
+
+    info = {"topics": list(source.topics), "partitions": [list(tp) for tp in assigned]}
+    return BatchReader(
+        produce, position=kafka_position(start), prefetch=prefetch, errors=errors, info=info, gate=gate
+    )
