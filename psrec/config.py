@@ -155,9 +155,11 @@ class TrainingConfig(_Strict):
     # L2 on the embedding rows each step touches (BARS-style), applied once per step by the shards as
     # the tables' weight decay: exact with any number of trainers. Linear (wide) tables are exempt.
     embedding_l2: float = Field(0.0, ge=0)
-    dense_precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="bf16: autocast the dense model (CPUs with AVX-512 BF16/AMX); embedding rows stay fp32",
+    dense_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto",
+        description="bf16: autocast the dense model (embedding rows stay fp32); auto: bf16 where the "
+        "trainer's CPU computes bf16 natively (avx512_bf16 or amx_bf16) or its GPU does, fp32 elsewhere "
+        "(psrec.machine); an explicit bf16 on a CPU without native bf16 is slower than fp32",
     )
     grad_clip_norm: float | None = Field(None, gt=0)
     device: Literal["cpu", "cuda", "auto"] = Field(
@@ -486,8 +488,10 @@ class RunConfig(_Strict):
                 f"ps.pipeline.stages={pipeline.stages} is more than the {num_blocks + 2} parts of the model "
                 f"(embedding, model.num_blocks={num_blocks} blocks, head)"
             )
-        if self.training.dense_precision != "fp32":
-            raise ValueError("ps.pipeline supports training.dense_precision fp32 only")
+        if self.training.dense_precision == "bf16":
+            raise ValueError(
+                "ps.pipeline supports training.dense_precision fp32 only (auto resolves to fp32 there)"
+            )
         if self.training.device == "cuda":
             raise ValueError("ps.pipeline trains on the CPU: set training.device to cpu (or auto)")
 
@@ -506,6 +510,10 @@ class RunConfig(_Strict):
                 "compile",
                 "full_ranking",
                 "device",  # a checkpoint holds CPU tensors: a run resumes on either device
+                # how the dense model computes, not what a checkpoint holds (fp32 weights, optimizer
+                # state and rows under either precision): a run resumes in the precision it resolves
+                # to now, and the driver warns when that differs from the checkpoint's
+                "dense_precision",
             )
         }
         data.pop("run_dir")

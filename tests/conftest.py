@@ -11,6 +11,11 @@ from typing import Any
 
 import pytest
 
+# `training.dense_precision: auto` resolves from the CPU's ISA features (`psrec.machine`): pinned to a
+# CPU without native bf16, so that every run of the suite, in this process and in those it starts
+# (Ray's included), trains in fp32 on any machine. Tests of bf16 set it, or the features, themselves.
+os.environ["PSREC_ISA_FEATURES"] = "avx2,avx512f"
+
 SHARED_DATA = Path(
     os.environ.get("PSREC_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
 )

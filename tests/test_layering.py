@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "storage": 0,
     "allocator": 0,
     "threads": 0,
+    "machine": 0,
     "checkpoint": 1,
     "ps": 2,
     "parallel": 3,

@@ -37,6 +37,12 @@ Device (--device auto|cpu|cuda, default auto: cuda when this machine has a CUDA 
 PyTorch, the ceiling and psrec's trainers train on it (psrec's rows stay on its shards, in host
 memory; Ray layouts with more trainers than GPUs stay on the CPU); TorchRec and TensorFlow run on the
 CPU. The table's header and its device column say where each system ran.
+
+Machine: the header names the CPU model, its ISA features that decide bf16's speed (avx2, avx512f,
+avx512_bf16, avx512_vnni, amx_bf16, amx_int8, amx_tile; `psrec.machine`), the cores and the load
+average at the start and end. bf16 systems on a CPU without native bf16 (neither avx512_bf16 nor
+amx_bf16) or a GPU without it run emulated, slower than fp32: the bench warns before the runs and
+under the table (psrec's own default, `training.dense_precision: auto`, trains in fp32 there).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from typing import Any
 
 from psrec.bench.systems import DEFAULT_SYSTEMS, SYSTEMS
 from psrec.bench.workload import Workload, parse_multi_hot
+from psrec.machine import EMULATED_BF16_COST, ISA_FEATURES, isa_features, native_bf16
 
 
 def register(subparsers: Any) -> None:
@@ -160,7 +167,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psrec.bench.harness import run_bench
+    from psrec.bench.harness import machine_description, run_bench
     from psrec.bench.tf_system import PYTHON_VARIABLE
 
     if args.tf_python:
@@ -171,6 +178,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+    if not args.report:
+        print(machine_line(machine_description()), flush=True)
+        warning = planned_emulation_warning(args.systems, workload)
+        if warning:
+            print(warning, flush=True)
 
     def progress(round_index: int, result: dict[str, Any]) -> None:
         if "samples_per_second" in result:
@@ -216,7 +229,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{workload['steps']} timed steps after {workload['warmup_steps']}, {report['rounds']} rounds; "
         f"device {workload.get('device', 'cpu')}"
         + (f" ({machine['gpu']})" if machine.get("gpu") and workload.get("device") == "cuda" else "")
-        + f"; {machine['cpu']} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
+        + f"; {_cpu(machine)} ({machine['cores']} cores), load {machine['load_average'][0]:.2f} at start"
         + (f", {machine['load_average_end'][0]:.2f} at end" if "load_average_end" in machine else ""),
         "wall: median samples/s and within-round ratios, each to the system of that kind at the same "
         "precision ('-': none ran; x TF: to TensorFlow; x peer: to the fastest of PyTorch, TorchRec "
@@ -246,7 +259,63 @@ def format_table(report: dict[str, Any]) -> str:
             f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')} "
             f"{row.get('device') or '-':6s} {row['status']}"
         )
+    emulated = emulated_bf16_systems(report)
+    if emulated:
+        lines.append(_emulation_warning(emulated))
     return "\n".join(lines)
+
+
+def _features(machine: dict[str, Any]) -> list[str]:
+    """The machine's ISA features (reports written before they were named: its listed CPU flags)."""
+    return list(machine.get("isa_features", machine.get("cpu_flags", [])))
+
+
+def _cpu(machine: dict[str, Any]) -> str:
+    """The CPU model and its ISA features: "AMD EPYC [avx2 avx512f avx512_bf16]"."""
+    return f"{machine['cpu']} [{' '.join(_features(machine)) or 'none of ' + ', '.join(ISA_FEATURES)}]"
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """What the bench prints before it runs: the CPU, its ISA features, cores, load and the GPU."""
+    load = ", ".join(f"{value:.2f}" for value in machine["load_average"])
+    gpu = f"; GPU {machine['gpu']}" if machine.get("gpu") else ""
+    return f"machine: {_cpu(machine)}, {machine['cores']} cores, load average {load}{gpu}"
+
+
+def emulated_bf16_systems(report: dict[str, Any]) -> list[str]:
+    """The bf16 systems of `report` that ran where bf16 is emulated: on a CPU without native bf16
+    (neither avx512_bf16 nor amx_bf16), or on a GPU without it."""
+    machine = report["machine"]
+    emulated = []
+    for row in report["rows"]:
+        if not str(row.get("precision", "")).startswith("bf16") or row.get("samples_per_second") is None:
+            continue
+        on_gpu = row.get("device") == "cuda"
+        if not (bool(machine.get("gpu_bf16")) if on_gpu else native_bf16(_features(machine))):
+            emulated.append(str(row["system"]))
+    return emulated
+
+
+def _emulation_warning(systems: list[str]) -> str:
+    return (
+        f"warning: bf16 runs emulated here ({', '.join(systems)}): no native bf16 on this device, so "
+        f"expect these slower than fp32 ({EMULATED_BF16_COST}); psrec's default dense_precision auto "
+        "trains in fp32 here"
+    )
+
+
+def planned_emulation_warning(systems: str, workload: Workload) -> str | None:
+    """The warning for the bf16 systems about to run on a CPU without native bf16 (None: none)."""
+    from psrec.bench.systems import resolve_systems
+
+    if workload.device != "cpu" or native_bf16(isa_features()):
+        return None
+    try:
+        names = resolve_systems(systems)
+    except ValueError:  # run_bench says what is wrong
+        return None
+    bf16 = [name for name in names if SYSTEMS[name].dense_precision.startswith("bf16")]
+    return _emulation_warning(bf16) if bf16 else None
 
 
 def _cross(value: float | None) -> str:

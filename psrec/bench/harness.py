@@ -27,6 +27,7 @@ from typing import Any
 
 from psrec.bench.systems import PEERS, SYSTEMS, reference, resolve_systems
 from psrec.bench.workload import Workload, prepare_sources
+from psrec.machine import describe_machine
 
 logger = logging.getLogger(__name__)
 
@@ -231,30 +232,25 @@ def step_profile(run: dict[str, Any]) -> dict[str, float]:
 
 
 def machine_description() -> dict[str, Any]:
+    """The machine the bench runs on: CPU model and the ISA features that decide bf16's speed
+    (`psrec.machine`), cores, memory, load average, versions, and the GPU (and whether it computes bf16)."""
     import platform
 
     import torch
 
-    cpu = "unknown"
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == "unknown":
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-                flags = [f for f in line.split(":", 1)[1].split() if f in wanted]
-    except OSError:
-        pass
+    machine = describe_machine()
+    cuda = torch.cuda.is_available()
     return {
-        "cpu": cpu,
-        "cpu_flags": flags,
+        "cpu": machine["cpu_model"],
+        "isa_features": machine["isa_features"],
+        "isa_features_from": machine["isa_features_from"],
         "cores": os.cpu_count(),
         "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "load_average": list(os.getloadavg()),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_bf16": torch.cuda.is_bf16_supported(including_emulation=False) if cuda else None,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

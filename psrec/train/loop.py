@@ -37,6 +37,7 @@ from psrec.checkpoint.format import MANIFEST_FILE
 from psrec.checkpoint.policy import RestartDecision, choose_restart
 from psrec.config import ConfigError, RunConfig
 from psrec.elastic.resharding import ScaleController
+from psrec.machine import precisions_differ, summarize_trainers
 from psrec.train.accounting import (
     EMPTY,
     id_ranges,
@@ -246,6 +247,7 @@ class Driver:
         self.best_snapshot = False
         self._epoch_steps: int | None = None
         self.resumed_from: dict[str, Any] | None = None
+        self.machines: dict[str, Any] = {}  # the trainers' machines and dense precision (_ask_machines)
         self.scaling = ScaleController(self.run_dir, config, runtime)  # `psrec scale`, between steps
 
     # -- the run -------------------------------------------------------------------------------
@@ -257,6 +259,7 @@ class Driver:
             self.scaling.end()
 
     def _run(self, *, resume: bool) -> dict[str, Any]:
+        self._ask_machines()
         if not (resume and self._restore_latest()):
             self.runtime.start_epoch(0)
             self._checkpoint()  # step 0: a failure before the first periodic checkpoint rolls back here
@@ -447,7 +450,8 @@ class Driver:
         else:
             kind, parent = "delta", last
         start = time.perf_counter()
-        ref = self.runtime.save_checkpoint(self.run_dir, kind=kind, parent=parent, extra=self.state.extra())
+        extra = self.state.extra() | {"dense_precision": self.machines["dense_precision"]["resolved"]}
+        ref = self.runtime.save_checkpoint(self.run_dir, kind=kind, parent=parent, extra=extra)
         manifest = checkpoint.read_manifest(ref)
         self.checkpoint_seconds.append(
             {
@@ -494,6 +498,15 @@ class Driver:
             self.last_checkpoint, self.since_full = None, 0
             return
         self.state.roll_back(int(restored["step"]), restored["extra"])
+        trained_in, now = restored["extra"].get("dense_precision"), self.machines["dense_precision"]
+        if trained_in is not None and trained_in != now["resolved"]:
+            logger.warning(
+                "checkpoint %s was trained in %s; training goes on in %s (%s)",
+                chain[-1].name,
+                trained_in,
+                now["resolved"],
+                now["reason"],
+            )
         self.last_checkpoint = chain[-1]
         self.since_full = len(chain) - 1
         self.best_snapshot = False  # in-memory snapshots do not survive a restart
@@ -504,6 +517,7 @@ class Driver:
         start = time.perf_counter()
         chain = self._chain()
         restored = self.runtime.recover(chain)
+        self._ask_machines()  # replaced trainers may run elsewhere
         self._after_restore(chain, restored)
         seconds = time.perf_counter() - start
         self.recoveries.append(
@@ -515,6 +529,25 @@ class Driver:
             }
         )
         logger.warning("recovered in %.1f s: continuing from step %d", seconds, self.state.step)
+
+    def _ask_machines(self) -> None:
+        """Ask the trainers where they run and in what dense precision; log it (warn when they differ)."""
+        reports = self.runtime.machine_reports()
+        self.machines = summarize_trainers(reports)
+        machine, precision = self.machines["machine"], self.machines["dense_precision"]
+        logger.info(
+            "dense model in %s (%s) on %s [%s]",
+            precision["resolved"],
+            precision["reason"],
+            machine["cpu_model"],
+            " ".join(machine["isa_features"]),
+        )
+        if precisions_differ(reports):
+            logger.warning(
+                "the trainers train in different dense precisions (%s): their machines differ "
+                "(summary.json, trainer_machines); set training.dense_precision to fp32 or bf16 to make them agree",
+                ", ".join(report["dense_precision"]["resolved"] for report in reports),
+            )
 
     # -- the end -------------------------------------------------------------------------------
     def _restore_best_model(self) -> str:
@@ -574,6 +607,7 @@ class Driver:
             "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
             "placement": self.runtime.placement,
+            **summarize_trainers(self.runtime.machine_reports()),
         }
         last = self._evaluated_now()
         if best_model in ("last", "lost") and last is not None:  # the model evaluated: its metrics

@@ -68,6 +68,8 @@ class Runtime(ElasticRuntime, Protocol):
 
     def dense_states(self) -> list[dict[str, Any]]: ...
 
+    def machine_reports(self) -> list[dict[str, Any]]: ...
+
     def save_checkpoint(
         self, run_dir: str, *, kind: str, parent: CheckpointRef | None, extra: dict[str, Any]
     ) -> CheckpointRef: ...
@@ -173,6 +175,10 @@ class RuntimeBase:
 
     def dense_states(self) -> list[dict[str, Any]]:
         return self.trainer_group.call(TrainerWorker.dense_state)
+
+    def machine_reports(self) -> list[dict[str, Any]]:
+        """Each trainer's machine and the dense precision it resolved there (`TrainerWorker.machine_report`)."""
+        return self.trainer_group.call(TrainerWorker.machine_report)
 
     def compute_settings(self) -> list[dict[str, int | str]]:
         """Each trainer's thread counts and CPU dispatch, as its steps see them (`psrec.threads`)."""

@@ -26,6 +26,7 @@ from psrec.embedding import (
 )
 from psrec.embedding.disk_tier import DiskTierError, check_disk_dir
 from psrec.embedding.sizes import DISK_SPACE_FACTOR, disk_bytes_per_row, memory_rows_for_budget
+from psrec.machine import DensePrecision, isa_features, resolve_dense_precision
 from psrec.models import build_model
 from psrec.models.config import uses_linear_terms as model_uses_linear_terms
 from psrec.ps.client import LINEAR_SUFFIX, linear_table_name
@@ -224,6 +225,19 @@ def training_device(config: RunConfig) -> torch.device:
     if resolve_device(config.training.device, cuda_available=available, pipeline=pipeline) == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def dense_precision(config: RunConfig, device: torch.device) -> DensePrecision:
+    """What ``training.dense_precision`` resolves to for a model on `device`, decided in the trainer's
+    own process from its machine (`psrec.machine.resolve_dense_precision`): ``auto`` is bf16 where
+    the CPU (or the GPU) computes bf16 natively, fp32 elsewhere. ``ps.pipeline`` trains in fp32."""
+    import torch
+
+    setting = config.training.dense_precision
+    if config.ps.pipeline is not None:  # the config allows it fp32 and auto only
+        return DensePrecision(setting, "fp32", "ps.pipeline trains the dense model in fp32")
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return resolve_dense_precision(setting, device.type, isa_features(), cuda_bf16=cuda_bf16)
 
 
 def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> DenseOptimizer:

@@ -264,3 +264,54 @@ def test_load_average_is_read_before_and_after_the_runs(
     assert report["machine"]["load_average_end"][0] == 3.0
     header = commands.format_table(report).splitlines()[0]
     assert "load 1.00 at start, 3.00 at end" in header
+
+
+def test_the_header_names_the_machine_and_the_table_warns_of_emulated_bf16() -> None:
+    runs = precision_runs() + [
+        {"system": "pytorch-bf16-rowwise", "round": 0, "samples_per_second": 90.0, "device": "cuda"}
+    ]
+    names = [str(run["system"]) for run in runs]
+
+    def report(features: list[str], *, gpu_bf16: bool = False) -> dict[str, Any]:
+        machine = {"cpu": "Intel Xeon", "isa_features": features, "cores": 2, "load_average": [0.5, 0.4, 0.3]}
+        machine |= {"gpu": "H100", "gpu_bf16": gpu_bf16}
+        return {
+            "workload": tiny_workload(Path("unused")).to_dict(),
+            "machine": machine,
+            "rounds": 1,
+            "rows": summarize(runs, names),
+        }
+
+    intel = report(["avx2", "avx512f", "avx512_vnni"])
+    lines = commands.format_table(intel).splitlines()
+    assert "Intel Xeon [avx2 avx512f avx512_vnni] (2 cores), load 0.50 at start" in lines[0]
+    assert commands.emulated_bf16_systems(intel) == [
+        "pytorch-bf16",
+        "psrec-bf16",
+        "ceiling-bf16",
+        "pytorch-bf16-rowwise",  # on a GPU without bf16
+    ]
+    assert lines[-1].startswith("warning: bf16 runs emulated here (pytorch-bf16, psrec-bf16, ceiling-bf16, ")
+    assert "0.38-0.39x" in lines[-1]
+    native = report(["avx2", "avx512f", "avx512_bf16"], gpu_bf16=True)
+    assert commands.emulated_bf16_systems(native) == []
+    assert "warning" not in commands.format_table(native)
+    assert commands.emulated_bf16_systems(report(["amx_bf16"])) == ["pytorch-bf16-rowwise"]
+    assert commands.machine_line(intel["machine"]) == (
+        "machine: Intel Xeon [avx2 avx512f avx512_vnni], 2 cores, load average 0.50, 0.40, 0.30; GPU H100"
+    )
+
+
+def test_the_bench_warns_before_running_bf16_on_a_cpu_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from psrec.machine import FEATURES_VARIABLE
+
+    workload = tiny_workload(tmp_path)
+    monkeypatch.setenv(FEATURES_VARIABLE, "avx2,avx512f")
+    warning = commands.planned_emulation_warning("c,psrec-ray", workload)
+    assert warning is not None and "(psrec-bf16)" in warning
+    assert commands.planned_emulation_warning("psrec,pytorch", workload) is None
+    assert harness.machine_description()["isa_features"] == ["avx2", "avx512f"]
+    monkeypatch.setenv(FEATURES_VARIABLE, "avx2,avx512f,amx_bf16")
+    assert commands.planned_emulation_warning("c", workload) is None

@@ -89,6 +89,7 @@ def test_in_process_training_on_cuda_matches_the_cpu_run(
     options: dict[str, Any] = {
         "training.max_steps": 30,
         "training.dense_optimizer": {"name": "sgd", "lr": 0.05},
+        "training.dense_precision": "fp32",  # auto would be bf16 on a GPU that computes it
     }
     cpu = train(small_run_config(synthetic_sources, tmp_path / "cpu", **options))
     gpu_config = small_run_config(
