@@ -15,6 +15,10 @@ import pytest
 # CPU without native bf16, so that every run of the suite, in this process and in those it starts
 # (Ray's included), trains in fp32 on any machine. Tests of bf16 set it, or the features, themselves.
 os.environ["PSREC_ISA_FEATURES"] = "avx2,avx512f"
+# No test reaches a cloud's instance metadata service (169.254.169.254 is not on this machine):
+# without a region in the environment, the AWS SDK inside pyarrow's S3 file system asks it for one
+# each time a client is made, even with an endpoint and credentials given.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
 
 SHARED_DATA = Path(
     os.environ.get("PSREC_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")
