@@ -3,10 +3,8 @@ Kafka-protocol broker on 127.0.0.1 for the stream tests (`psrec.testing.kafka_br
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,54 +73,10 @@ def ray_cluster(_ray_session: None, request: pytest.FixtureRequest) -> Iterator[
     # A module that left actors holding CPUs behind: the next module gets a fresh cluster.
     if ray.is_initialized() and _SHARED_RAY.get("address") == ray.get_runtime_context().gcs_address:
         deadline = time.monotonic() + 10.0
-        free = _free_cpus()
-        while free is not None and free < RAY_TEST_CPUS and time.monotonic() < deadline:
+        while ray.available_resources().get("CPU", 0.0) < RAY_TEST_CPUS and time.monotonic() < deadline:
             time.sleep(0.1)
-            free = _free_cpus()
-        if free is None:  # the GCS does not answer (seen once in ~10 suites): end the cluster
-            end_ray_unanswered()
-        elif free < RAY_TEST_CPUS:
+        if ray.available_resources().get("CPU", 0.0) < RAY_TEST_CPUS:
             ray.shutdown()
-
-
-GCS_ANSWER_S = 30.0  # how long a call to the test cluster's GCS may take before the cluster is ended
-
-
-def _bounded(call: Any, timeout_s: float) -> list[Any]:
-    """[call()] if it returned within `timeout_s` seconds, else [] (it runs on in a daemon thread):
-    Ray's state calls to the GCS have no time-out of their own."""
-    answer: list[Any] = []
-    thread = threading.Thread(target=lambda: answer.append(call()), daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return answer
-
-
-def _free_cpus() -> float | None:
-    """The test cluster's free CPUs, or None when its GCS does not answer in time."""
-    import ray
-
-    answer = _bounded(lambda: float(ray.available_resources().get("CPU", 0.0)), GCS_ANSWER_S)
-    return answer[0] if answer else None
-
-
-def end_ray_unanswered() -> None:
-    """End the Ray cluster this process started when its GCS no longer answers: its processes
-    (Ray's, among this process's descendants) first, then Ray's state here, each bounded."""
-    import importlib
-
-    import ray
-
-    from psrec.cluster.start import end_processes
-
-    psutil = importlib.import_module("psutil")  # Ray ships it and puts it on sys.path
-    processes = []
-    for process in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if process.name().startswith("ray::") or "/ray/" in " ".join(process.cmdline()):
-                processes.append(process)
-    end_processes(processes, timeout=1.0)
-    _bounded(ray.shutdown, GCS_ANSWER_S)
 
 
 def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
