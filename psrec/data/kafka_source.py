@@ -82,7 +82,8 @@ Until = Mapping[str, Mapping[Any, int]] | Literal["end"] | None
 
 
 class KafkaSource(BaseModel):
-    """Where the stream comes from and how its messages read (validated like `DataSource`).
+    """Where the stream comes from and how its messages read (validated like `DataSource`; in a run
+    config it is `data.train` with `format: kafka`, see docs/streaming.md).
 
     `client`: more librdkafka settings (security, SASL, fetch sizes, `group.id`); psrec sets
     `enable.auto.commit: false` and explicit offsets whatever they say. `columns` and `delimiter`
@@ -92,6 +93,7 @@ class KafkaSource(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    format: Literal["kafka"] = "kafka"  # tells it from a file `DataSource` in a run config's data.train
     bootstrap_servers: str = Field(min_length=1)
     topics: list[str] = Field(min_length=1, max_length=MAX_TOPICS)
     message_format: MessageFormat = "json"

@@ -24,6 +24,7 @@ import numpy as np
 from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
+from psrec.data.kafka_source import KafkaSource, open_kafka_reader, partitions_for, topic_partitions
 from psrec.data.reader import PreparedCache, open_reader
 from psrec.data.schema import DataSource
 from psrec.machine import describe_machine
@@ -96,8 +97,11 @@ class TrainerWorker:
         # ps.pipeline: trainers per replica; the replica's first stage reads its data and pushes
         self.num_stages = self.config.ps.pipeline.stages if self.config.ps.pipeline else 1
         self.base_dir = Path(base_dir)
-        self.sources = {
-            split: DataSource.model_validate(source) for split, source in (data_sources or {}).items()
+        self.sources: dict[str, DataSource | KafkaSource] = {
+            split: KafkaSource.model_validate(source)
+            if source.get("format") == "kafka"
+            else DataSource.model_validate(source)
+            for split, source in (data_sources or {}).items()
         }
         self.device = builders.training_device(self.config)  # cpu unless training.device says otherwise
         # training.dense_precision, resolved on this trainer's machine (auto: bf16 where it is native)
@@ -315,19 +319,33 @@ class TrainerWorker:
             self._reader.close()
         training = self.config.training
         self.epoch = epoch
-        self._reader = open_reader(
-            self.sources["train"],
-            self.config.feature_schema(),
-            batch_size=training.batch_size,
-            base_dir=self.base_dir,
-            shard=self.trainer_index // self.num_stages,  # a pipeline replica's stages share one
-            num_shards=self.world_size // self.num_stages,
-            shuffle_buffer=training.shuffle_buffer,
-            seed=training.seed * 1000 + epoch,
-            position=position,
-            gate=self._input_gate,
-            cache=self._data_cache,
-        )
+        source = self.sources["train"]
+        shard = self.trainer_index // self.num_stages  # a pipeline replica's stages share one
+        num_shards = self.world_size // self.num_stages
+        if isinstance(source, KafkaSource):  # bounded: each of its partitions read to its end
+            self._reader = open_kafka_reader(
+                source,
+                self.config.feature_schema(),
+                batch_size=training.batch_size,
+                partitions=partitions_for(shard, num_shards, topic_partitions(source)),
+                position=position,
+                until="end",
+                gate=self._input_gate,
+            )
+        else:
+            self._reader = open_reader(
+                source,
+                self.config.feature_schema(),
+                batch_size=training.batch_size,
+                base_dir=self.base_dir,
+                shard=shard,
+                num_shards=num_shards,
+                shuffle_buffer=training.shuffle_buffer,
+                seed=training.seed * 1000 + epoch,
+                position=position,
+                gate=self._input_gate,
+                cache=self._data_cache,
+            )
         self._batches = iter(self._reader)
         self._opened_at = position
         self._input_reported = {}
@@ -475,7 +493,7 @@ class TrainerWorker:
         if self.config.model.name == "sasrec":
             return self._evaluate_ranking(split)
         reader = open_reader(
-            self.sources[split],
+            self._file_source(split),
             self.config.feature_schema(),
             batch_size=self.config.training.eval_batch_size,
             base_dir=self.base_dir,
@@ -498,6 +516,12 @@ class TrainerWorker:
             return {"scores": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
         return {"scores": np.concatenate(scores), "labels": np.concatenate(labels)}
 
+    def _file_source(self, split: str) -> DataSource:
+        source = self.sources[split]
+        if not isinstance(source, DataSource):
+            raise TypeError(f"data.{split} is a {source.format} stream, not files")
+        return source
+
     def _evaluate_ranking(self, split: str) -> dict[str, np.ndarray]:
         from psrec.data.sequences import evaluation_batches, full_ranking_batches, load_interactions
         from psrec.data.units import expand_paths, local_files
@@ -505,7 +529,7 @@ class TrainerWorker:
 
         if self._interactions is None:
             self._interactions = load_interactions(
-                local_files(expand_paths(self.sources["train"].paths, self.base_dir))
+                local_files(expand_paths(self._file_source("train").paths, self.base_dir))
             )
         max_length = next(f.max_length for f in self.config.feature_schema().sequences if f.name == "seq")
         users = dict(

