@@ -1,9 +1,11 @@
-"""`psrec data synth` and `psrec data convert`: make datasets from the command line.
+"""`psrec data synth`, `convert`, `interactions-ctr` and `produce`: make datasets and streams from the
+command line.
 
     psrec data synth data/synth --rows 1000000 --files 4 --format parquet
     psrec data convert day_0.tsv.gz --format criteo_tsv --out data/criteo
     psrec data convert frappe.train.libfm --format libfm --config frappe.yaml --out data/frappe
     psrec data interactions-ctr ../shared/data/ml-1m/ml-1m.txt data/ml1m_ctr --max-length 50
+    psrec data produce --bootstrap-servers 127.0.0.1:9092 --topic clicks --rate 2000 --seconds 60
 
 `--config` is a YAML file with `schema:` (a `Schema`) and optionally `source:` (`DataSource` options
 such as `delimiter`, `header`, `columns`, `field_ranges`, `on_error`; `format` and `paths` come from
@@ -69,6 +71,31 @@ def register(subparsers: Any) -> None:
     ctr.add_argument("--seed", type=int, default=0)
     ctr.add_argument("--row-group-rows", type=int, default=65536)
     ctr.set_defaults(func=run_interactions_ctr)
+
+    produce = data_sub.add_parser(
+        "produce",
+        help="produce a synthetic click stream with drifting ids into a Kafka topic at a steady rate",
+        description="Events of psrec.data.stream_synth.DriftingCtrStream, timestamped with their event "
+        "time (event i: now + i / events-per-second), keyed by user; the topic is created if missing.",
+    )
+    produce.add_argument("--bootstrap-servers", required=True, help="HOST:PORT[,HOST:PORT...]")
+    produce.add_argument("--topic", required=True)
+    produce.add_argument("--rate", type=float, required=True, help="messages per second (wall time)")
+    length = produce.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seconds", type=float, help="produce rate * seconds events")
+    length.add_argument("--events", type=int, help="how many events to produce")
+    produce.add_argument("--partitions", type=int, default=None, help="of a topic created (default 1)")
+    produce.add_argument("--key", choices=["user", "item", "none"], default="user", help="partition key")
+    produce.add_argument("--format", choices=["json", "tsv", "csv"], default="json", help="message format")
+    produce.add_argument("--seed", type=int, default=0)
+    produce.add_argument(
+        "--events-per-second", type=int, default=None, help="event-time density (default: --rate)"
+    )
+    produce.add_argument("--items-per-second", type=float, default=2.0, help="new item ids per second")
+    produce.add_argument("--item-lifetime", type=float, default=300.0, help="seconds an item id is alive")
+    produce.add_argument("--users-per-second", type=float, default=5.0, help="new user ids per second")
+    produce.add_argument("--user-lifetime", type=float, default=600.0, help="seconds a user id is alive")
+    produce.set_defaults(func=run_produce)
 
 
 def _progress(console: Console) -> Progress:
@@ -193,4 +220,48 @@ def run_interactions_ctr(args: argparse.Namespace) -> int:
         return 1
     shown = ", ".join(f"{split} {rows}" for split, rows in counts.items())
     console.print(f"wrote CTR rows to {args.output}: {shown}")
+    return 0
+
+
+def run_produce(args: argparse.Namespace) -> int:
+    from confluent_kafka import KafkaException
+
+    from psrec.data.stream_synth import DriftingCtrStream, produce_stream
+
+    console = Console(stderr=True)
+    events = args.events if args.events is not None else round(args.rate * args.seconds)
+    try:
+        stream = DriftingCtrStream(
+            args.seed,
+            events_per_second=args.events_per_second or max(1, round(args.rate)),
+            items_per_second=args.items_per_second,
+            item_lifetime_s=args.item_lifetime,
+            users_per_second=args.users_per_second,
+            user_lifetime_s=args.user_lifetime,
+        )
+        with _progress(console) as progress:
+            task = progress.add_task("events", total=events)
+            summary = produce_stream(
+                args.bootstrap_servers,
+                args.topic,
+                stream,
+                events=events,
+                rate_per_second=args.rate,
+                partitions=args.partitions,
+                key=args.key,
+                message_format=args.format,
+                progress=lambda done: progress.update(task, completed=done),
+            )
+    except (KafkaException, RuntimeError, TimeoutError, ValueError) as error:
+        console.print(f"[red]error:[/red] {escape(str(error))}")
+        return 1
+    shares = " / ".join(str(count) for count in summary.per_partition)
+    console.print(
+        f"produced {summary.events} events ({summary.message_bytes / 1e6:.1f} MB, {args.format}) to "
+        f"{summary.topic} [{len(summary.per_partition)} partition(s): {shares}] in {summary.seconds:.2f} s "
+        f"({summary.events_per_second:.0f}/s); event time {summary.start_ms}..{summary.end_ms} ms, "
+        f"seed {args.seed}",
+        highlight=False,
+        soft_wrap=True,
+    )
     return 0
