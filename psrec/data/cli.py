@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
         "produce",
         help="produce a synthetic click stream with drifting ids into a Kafka topic at a steady rate",
         description="Events of psrec.data.stream_synth.DriftingCtrStream, timestamped with their event "
-        "time (event i: now + i / events-per-second), keyed by user; the topic is created if missing.",
+        "time (event i: now + i / events-per-second), keyed by --key; the topic is created if missing.",
     )
     produce.add_argument("--bootstrap-servers", required=True, help="HOST:PORT[,HOST:PORT...]")
     produce.add_argument("--topic", required=True)
