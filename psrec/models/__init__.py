@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from psrec.models.deepfm import DeepFM
     from psrec.models.dlrm import DLRM
     from psrec.models.fm import FactorizationMachineModel
+    from psrec.models.hstu import HSTU
     from psrec.models.lr import LogisticRegression
     from psrec.models.sasrec import SASRec
     from psrec.models.wide_deep import WideAndDeep
@@ -35,6 +36,7 @@ _EXPORTS = {
     "DeepFM": "psrec.models.deepfm",
     "DLRM": "psrec.models.dlrm",
     "FactorizationMachineModel": "psrec.models.fm",
+    "HSTU": "psrec.models.hstu",
     "LogisticRegression": "psrec.models.lr",
     "SASRec": "psrec.models.sasrec",
     "WideAndDeep": "psrec.models.wide_deep",
@@ -42,6 +44,7 @@ _EXPORTS = {
 
 __all__ = [
     "DLRM",
+    "HSTU",
     "BehaviorSequenceTransformer",
     "ClickThroughRateModel",
     "DCNv2",

@@ -8,18 +8,22 @@ The training contract every psrec model follows (`RecommendationModel`):
 
 - ``uses_linear_terms: bool`` (class attribute): whether the trainer must fill ``ModelInput.linear``
   from the dim-1 companion table.
-- ``forward(inp) -> logits``: CTR models return (B,) logits; SASRec returns (B, C) candidate logits.
+- ``forward(inp) -> logits``: CTR models return (B,) logits; SASRec and HSTU return (B, C) candidate
+  logits.
 - ``loss(inp, labels) -> (loss, scores)``: ``loss`` is the scalar mean training loss to backpropagate;
   ``scores`` are detached per-sample scores for running metrics. CTR models (and BST) use BCE with
-  logits against ``labels`` (B,) in {0, 1} and return click probabilities (B,). SASRec ignores
-  ``labels`` (pass None) and uses its own positive/negative BCE; its scores are (B, 2) logits
-  ``[positive, negative]`` at the last position, i.e. a 2-candidate matrix with the target in column 0.
+  logits against ``labels`` (B,) in {0, 1} and return click probabilities (B,). Next-item
+  models (SASRec, HSTU) ignore ``labels`` (pass None) and use their own next-item loss; their scores
+  are (B, 2) logits ``[positive, negative]`` at the last position, i.e. a 2-candidate matrix with the
+  target in column 0.
 - ``predict(inp) -> scores`` (no grad bookkeeping; call under ``torch.no_grad()`` / ``eval()``): CTR
-  models return probabilities (B,), SASRec candidate logits (B, C).
+  models return probabilities (B,), next-item models candidate logits (B, C).
 
-Sequence models (BST, SASRec) also expose ``stages() -> ModelStages``: the embedding-side stage
+Sequence models (BST, SASRec, HSTU) also expose ``stages() -> ModelStages``: the embedding-side stage
 (``ModelInput -> dict of tensors``), the block stack and the head (``dict -> dict``), whose
 composition is exactly what ``forward`` runs, so that a pipeline can place them on different devices.
+The block stack also offers ``block_parts()``: one ``dict -> dict`` module per block, whose chain
+equals the stack (`BlockStack`), so that a pipeline can cut between blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class ModelInput:
     # name -> (B, L, D) embedded sequence (left-padded) and (B, L) bool mask (True = real item)
     sequences: dict[str, torch.Tensor] = field(default_factory=dict)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> (B, L + 1) int64 event times (seconds) of a sequence's items, aligned with it (left-padded),
+    # then the time of the event predicted after its last item; HSTU's time bias reads "seq" when given.
+    timestamps: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class RecommendationModel(Protocol):
@@ -73,6 +80,12 @@ class ClickThroughRateModel(nn.Module):
 
     def predict(self, inp: ModelInput) -> torch.Tensor:
         return torch.sigmoid(self(inp))
+
+
+class BlockStack(Protocol):
+    """A model's block stack as a chain of per-block ``state -> state`` modules (see the docstring)."""
+
+    def block_parts(self) -> list[nn.Module]: ...
 
 
 class ModelStages(NamedTuple):
