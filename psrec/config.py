@@ -141,7 +141,39 @@ class EarlyStoppingConfig(_Strict):
     lr_decay: float = Field(0.1, gt=0, le=1, description="multiply all learning rates on a plateau")
 
 
+class StreamTrainingConfig(_Strict):
+    """How a continuous run (``training.mode: continuous``) waits for a stream (docs/streaming.md)."""
+
+    wait_seconds: float = Field(
+        1.0,
+        gt=0,
+        description="the longest a trainer waits for the next batch before the driver gets control back "
+        "(to report lag, checkpoint, publish, stop); a busy stream trains log_every_steps steps at a time",
+    )
+    batch_timeout_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="events that waited this long in a batch that is not full train as a short batch "
+        "(a quiet stream still trains within seconds); null: batches are always full",
+    )
+    stop_after_idle_s: float | None = Field(
+        None, gt=0, description="end the run when no event arrived for this long (backfills, tests)"
+    )
+    metrics_window: int = Field(
+        100_000,
+        ge=1,
+        description="progressive validation: the AUC and logloss of the last this-many events, each "
+        "scored before the model trained on it",
+    )
+
+
 class TrainingConfig(_Strict):
+    mode: Literal["epochs", "continuous"] = Field(
+        "epochs",
+        description="epochs: train over files (or a Kafka stream read to its end); continuous: train "
+        "while a stream's events arrive, checkpoint and publish as it goes, stop on SIGTERM",
+    )
+    stream: StreamTrainingConfig = StreamTrainingConfig()
     batch_size: int = Field(4096, ge=1)
     eval_batch_size: int = Field(16384, ge=1)
     epochs: int = Field(1, ge=1)
@@ -317,6 +349,12 @@ class CheckpointConfig(_Strict):
 
     enabled: bool = True
     every_steps: int | None = Field(None, ge=1, description="besides the end of every epoch")
+    every_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="also when this long passed since the last checkpoint (continuous training: how "
+        "often a `psrec serve --follow` replica gets the new rows)",
+    )
     full_every: int = Field(4, ge=1, description="every Nth checkpoint is full, the others are deltas")
     keep_last: int = Field(2, ge=1, description="restorable chains to keep")
 
@@ -421,7 +459,7 @@ class RunConfig(_Strict):
             raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
         if self.ps.pipeline is not None:
             self._check_pipeline(self.ps.pipeline)
-        if isinstance(self.data.train, KafkaSource):
+        if isinstance(self.data.train, KafkaSource) or self.training.mode == "continuous":
             self._check_stream()
         if self.model.name == "sasrec":
             self._check_sasrec_negatives(getattr(self.model, "loss", "bce"))
@@ -458,14 +496,39 @@ class RunConfig(_Strict):
         return self
 
     def _check_stream(self) -> None:
-        """A Kafka source trains as one bounded epoch, read in the order the stream delivers it."""
-        if self.training.epochs != 1:
+        """A Kafka source trains as one bounded epoch or continuously, in the order the stream delivers it."""
+        training = self.training
+        source = self.data.train
+        if training.mode == "continuous" and not isinstance(source, KafkaSource):
             raise ValueError(
-                f"training.epochs: {self.training.epochs} with data.train format 'kafka': a stream is read "
-                "to its end once (set training.epochs: 1)"
+                "training.mode 'continuous' trains from a stream: data.train must be of format 'kafka' "
+                f"(it is {getattr(source, 'format', None)!r})"
             )
-        if self.training.shuffle_buffer != 0:
+        if training.epochs != 1:
+            what = (
+                "a stream has no epochs"
+                if training.mode == "continuous"
+                else "a stream is read to its end once"
+            )
+            raise ValueError(
+                f"training.epochs: {training.epochs} with data.train format 'kafka': {what} (set training.epochs: 1)"
+            )
+        if training.shuffle_buffer != 0:
             raise ValueError("training.shuffle_buffer applies to file sources; data.train is format 'kafka'")
+        if training.mode != "continuous":
+            return
+        if training.early_stopping is not None:
+            raise ValueError(
+                "training.early_stopping: a continuous run has no end to stop early at; watch the "
+                "progressive validation metrics instead (docs/streaming.md)"
+            )
+        if self.ps.pipeline is not None or self.ps.strategy != "ps":
+            raise ValueError(
+                "training.mode 'continuous' runs with ps.strategy 'ps' and no ps.pipeline "
+                f"(got strategy {self.ps.strategy!r}, pipeline {'set' if self.ps.pipeline else 'none'})"
+            )
+        if self.model.name == "sasrec":
+            raise ValueError("training.mode 'continuous' trains CTR models; sasrec reads interaction files")
 
     def _check_sasrec_negatives(self, loss: str) -> None:
         """model.loss sampled_softmax draws its negatives from data.schema's "negatives" sequence."""

@@ -190,42 +190,78 @@ class _Block:
     row_message: np.ndarray  # (rows,) index of each row's message
     slots: list[TopicPartition]  # (messages,) topic and partition of each message
     offsets: np.ndarray  # (messages,) offset of each message
+    timestamps: np.ndarray  # (messages,) each message's timestamp, ms since the epoch (-1: none)
+
+    @classmethod
+    def empty(cls) -> _Block:
+        """A poll that brought nothing: lets a batch that is not full be cut when it waited long."""
+        nothing = np.zeros(0, np.int64)
+        return cls(None, nothing, [], nothing, nothing)
 
     @property
     def num_rows(self) -> int:
         return self.table.num_rows if self.table is not None else 0
 
-    def advance(self, offsets: dict[TopicPartition, int], start: int, stop: int) -> int:
-        """Move `offsets` past messages [start, stop) of the block; returns `stop`."""
+    def advance(self, passed: _Passed, start: int, stop: int) -> int:
+        """Move `passed` past messages [start, stop) of the block; returns `stop`."""
         for index in range(start, stop):
-            offsets[self.slots[index]] = int(self.offsets[index]) + 1
+            passed.offsets[self.slots[index]] = int(self.offsets[index]) + 1
+        if stop > start:
+            passed.newest_event_ms = max(passed.newest_event_ms, int(self.timestamps[start:stop].max()))
         return max(start, stop)
 
 
+@dataclass
+class _Passed:
+    """Where a reader stands: the next offset of each partition, the newest message timestamp passed."""
+
+    offsets: dict[TopicPartition, int]
+    newest_event_ms: int = -1
+
+    def position(self) -> dict[str, Any]:
+        position = kafka_position(self.offsets)
+        if self.newest_event_ms >= 0:
+            position["newest_event_ms"] = self.newest_event_ms
+        return position
+
+
 def _batches(
-    blocks: Iterator[_Block], start: dict[TopicPartition, int], *, batch_size: int, drop_last: bool
-) -> Iterator[tuple[pa.Table, dict[TopicPartition, int]]]:
-    """Cut the blocks' rows into tables of `batch_size` rows, each with the offsets after it: past
-    every message up to its last row's, bad messages among them included."""
-    offsets = dict(start)
+    blocks: Iterator[_Block],
+    start: _Passed,
+    *,
+    batch_size: int,
+    drop_last: bool,
+    max_delay_s: float | None = None,
+) -> Iterator[tuple[pa.Table, dict[str, Any]]]:
+    """Cut the blocks' rows into tables of `batch_size` rows, each with the position after it: past
+    every message up to its last row's, bad messages among them included. With `max_delay_s`, rows
+    that waited that long for their batch to fill are cut as a short batch (checked at every block,
+    an empty one included)."""
+    passed = _Passed(dict(start.offsets), start.newest_event_ms)
     pending: list[pa.Table] = []
     count = 0
+    pending_since = 0.0
     for block in blocks:
-        passed = 0  # messages of the block that `offsets` is past
+        done = 0  # messages of the block that `passed` is past
         taken = 0
         while taken < block.num_rows:
             assert block.table is not None
+            if not count:
+                pending_since = time.monotonic()
             take = min(batch_size - count, block.num_rows - taken)
             pending.append(block.table.slice(taken, take))
             count += take
             taken += take
             if count == batch_size:
-                passed = block.advance(offsets, passed, int(block.row_message[taken - 1]) + 1)
-                yield pa.concat_tables(pending), dict(offsets)
+                done = block.advance(passed, done, int(block.row_message[taken - 1]) + 1)
+                yield pa.concat_tables(pending), passed.position()
                 pending, count = [], 0
-        block.advance(offsets, passed, block.offsets.size)  # later batches are past its bad messages too
+        block.advance(passed, done, block.offsets.size)  # later batches are past its bad messages too
+        if count and max_delay_s is not None and time.monotonic() - pending_since >= max_delay_s:
+            yield pa.concat_tables(pending), passed.position()
+            pending, count = [], 0
     if pending and not drop_last:
-        yield pa.concat_tables(pending), dict(offsets)
+        yield pa.concat_tables(pending), passed.position()
 
 
 class _Consumption:
@@ -254,6 +290,19 @@ class _Consumption:
             for topic, partition in start
         }
         self.active = {tp for tp, offset in start.items() if tp not in ends or offset < ends[tp]}
+        self.heads: dict[TopicPartition, int] = {}  # each partition's end as the last fetch saw it
+
+    def _note_heads(self, consumer: Consumer) -> None:
+        """Each partition's end offset as its last fetch reported it (no request to the broker)."""
+        heads = dict(self.heads)
+        for topic, partition in self.start:
+            try:
+                _, high = consumer.get_watermark_offsets(KafkaPartition(topic, partition), cached=True)
+            except Exception:  # noqa: BLE001 - not fetched yet: no end known
+                continue
+            if high is not None and high >= 0:
+                heads[(topic, partition)] = int(high)
+        self.heads = heads  # replaced, never changed in place: read from other threads
 
     def blocks(self) -> Iterator[_Block]:
         if not self.active:
@@ -266,6 +315,7 @@ class _Consumption:
                 checkpoint()  # a closed reader's prefetch thread stops here
                 messages = consumer.consume(self.max_messages, timeout=self.source.poll_timeout_s)
                 kept = [message for message in messages if self._keep(message, consumer)]
+                self._note_heads(consumer)
                 if kept:
                     last_message = time.monotonic()
                     yield self._decode(kept)
@@ -274,6 +324,8 @@ class _Consumption:
                 ):
                     logger.info("no message for %.1f s: the stream source ends", self.idle_timeout_s)
                     return
+                else:
+                    yield _Block.empty()
         finally:
             consumer.close()
 
@@ -314,6 +366,7 @@ class _Consumption:
     def _decode(self, messages: list[Any]) -> _Block:
         slots = [(message.topic(), message.partition()) for message in messages]
         offsets = np.array([message.offset() for message in messages], dtype=np.int64)
+        timestamps = np.array([message.timestamp()[1] for message in messages], dtype=np.int64)
         row_ids = np.array([self.slot_bases[slot] for slot in slots], dtype=np.int64) + offsets
 
         def locate(index: int) -> tuple[str, str]:
@@ -323,7 +376,7 @@ class _Consumption:
         table, kept = self.decoder.decode([message.value() for message in messages], row_ids, locate)
         if table is not None:
             table = prepare_table(self.decoder.schema, table, self.decoder.errors)
-        return _Block(table, kept, slots, offsets)
+        return _Block(table, kept, slots, offsets, timestamps)
 
 
 def _end_offsets(until: Until, partitions: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
@@ -347,6 +400,7 @@ def open_kafka_reader(
     position: Mapping[str, Any] | None = None,
     until: Until = None,
     idle_timeout_s: float | None = None,
+    max_batch_delay_s: float | None = None,
     prefetch: int = 2,
     drop_last: bool = False,
     gate: InputGate | None = None,
@@ -357,12 +411,18 @@ def open_kafka_reader(
     position: `reader.position()` of an earlier reader of the same topics (its other partitions are
     ignored). until: where each partition ends (exclusive offsets, topic -> partition -> offset;
     partitions not named do not end) or "end" (each partition's end when reached). idle_timeout_s:
-    end when no message arrived for this long. prefetch, drop_last, gate: as `open_reader`'s.
+    end when no message arrived for this long. max_batch_delay_s: rows that waited this long for
+    their batch to fill are delivered as a short batch. prefetch, drop_last, gate: as `open_reader`'s.
+
+    The reader's `stats()` adds `head_offsets` (topic -> partition -> end offset, as the last fetch
+    saw it) and `events_behind` (the messages between the reader's position and those ends).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if idle_timeout_s is not None and idle_timeout_s <= 0:
         raise ValueError(f"idle_timeout_s must be > 0, got {idle_timeout_s}")
+    if max_batch_delay_s is not None and max_batch_delay_s <= 0:
+        raise ValueError(f"max_batch_delay_s must be > 0, got {max_batch_delay_s}")
     assigned = sorted(set(partitions)) if partitions is not None else topic_partitions(source)
     if not assigned:
         raise ValueError("no partitions to read: more trainers than partitions? (see partitions_for)")
@@ -371,6 +431,7 @@ def open_kafka_reader(
         raise ValueError(f"partitions of topics {unknown}, which are not the source's topics {source.topics}")
     earlier = position_offsets(position) if position is not None else {}
     start = {tp: earlier.get(tp, 0) for tp in assigned}
+    newest = int(position.get("newest_event_ms", -1)) if position is not None else -1
     errors = BadRows(source.on_error)
     decoder = MessageDecoder(
         schema, source.message_format, errors, columns=source.columns, delimiter=source.delimiter
@@ -386,12 +447,28 @@ def open_kafka_reader(
     )
 
     def produce() -> Iterator[tuple[Batch, dict[str, Any]]]:
-        for table, offsets in _batches(
-            consumption.blocks(), start, batch_size=batch_size, drop_last=drop_last
+        for table, after in _batches(
+            consumption.blocks(),
+            _Passed(start, newest),
+            batch_size=batch_size,
+            drop_last=drop_last,
+            max_delay_s=max_batch_delay_s,
         ):
-            yield table_to_batch(schema, table), kafka_position(offsets)
+            yield table_to_batch(schema, table), after
+
+    def live(position: dict[str, Any]) -> dict[str, Any]:
+        heads = consumption.heads
+        read = position_offsets(position)
+        behind = sum(max(0, end - read.get(tp, start[tp])) for tp, end in heads.items())
+        return {"head_offsets": kafka_position(heads)["offsets"], "events_behind": behind}
 
     info = {"topics": list(source.topics), "partitions": [list(tp) for tp in assigned]}
     return BatchReader(
-        produce, position=kafka_position(start), prefetch=prefetch, errors=errors, info=info, gate=gate
+        produce,
+        position=_Passed(start, newest).position(),
+        prefetch=prefetch,
+        errors=errors,
+        info=info,
+        gate=gate,
+        live=live,
     )

@@ -44,6 +44,7 @@ Typical use, one reader per epoch::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,7 @@ from psrec.storage import Location
 logger = logging.getLogger(__name__)
 
 POSITION_VERSION = 1
+READY_POLL_S = 0.005  # how often `BatchReader.wait_ready` looks
 
 
 class FormatReader(Protocol):
@@ -302,8 +304,10 @@ class BatchReader:
         errors: BadRows,
         info: dict[str, Any],
         gate: InputGate | None = None,
+        live: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self._produce = produce
+        self._live = live  # stats that change while the reader waits (a stream's lag), from its position
         self._gate = gate
         self._position = position
         self._prefetch = prefetch
@@ -312,12 +316,17 @@ class BatchReader:
         self._rows = 0
         self._batches = 0
         self._started = False
+        self.ended = False  # every batch was delivered (a stream source ended, e.g. idle_timeout_s)
         self._background: BackgroundIterator[tuple[Batch, dict[str, Any]]] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         if self._started:
             raise RuntimeError("a BatchReader is iterated once; reopen it (with position=...) to read again")
         self._started = True
+        if self._prefetch > 0:  # reading starts now (`wait_ready` can wait for the first batch)
+            self._background = BackgroundIterator(
+                self._produce, depth=self._prefetch, name="psrec-prefetch", gate=self._gate
+            )
         return self._iterate()
 
     def _deliver(self, batch: Batch, position: dict[str, Any]) -> Batch:
@@ -330,13 +339,15 @@ class BatchReader:
         if self._prefetch <= 0:
             for batch, position in self._produce():
                 yield self._deliver(batch, position)
+            self.ended = True
             return
-        self._background = BackgroundIterator(
-            self._produce, depth=self._prefetch, name="psrec-prefetch", gate=self._gate
-        )
+        background = self._background
+        if background is None:  # closed before the first batch
+            return
         try:
-            for batch, position in self._background:
+            for batch, position in background:
                 yield self._deliver(batch, position)
+            self.ended = True
         finally:  # the consumer stopped early (or the generator was collected): stop the thread
             self.close()
 
@@ -360,10 +371,24 @@ class BatchReader:
         """
         return {
             **self._info,
+            **(self._live(self.position()) if self._live is not None else {}),
             "rows_read": self._rows,
             "batches": self._batches,
             **self._errors.snapshot().as_dict(),
         }
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True when the next batch (or the end) is read already, so that iterating does not wait;
+        waits up to `timeout` seconds for it. False before iteration started or without prefetch."""
+        deadline = time.monotonic() + timeout
+        while True:
+            background = self._background
+            if background is not None and background.ready():
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(READY_POLL_S, remaining))
 
     def close(self) -> None:
         """Stop the prefetch thread (safe to call twice)."""
@@ -503,3 +528,22 @@ def open_reader(
     return BatchReader(
         produce, position={**identity, **start}, prefetch=prefetch, errors=errors, info=info, gate=gate
     )
+
+
+class StreamWindow:
+    """A stream reader's batches for training in chunks: iteration stops (this time) when no batch
+    arrived for `wait_seconds`, and goes on with the next batch when iterated again. Lets a trainer
+    reading a stream that never ends hand control back between chunks (`training.mode: continuous`)."""
+
+    def __init__(self, reader: BatchReader, *, wait_seconds: float) -> None:
+        self._reader = reader
+        self._batches = iter(reader)
+        self.wait_seconds = wait_seconds
+
+    def __iter__(self) -> StreamWindow:
+        return self
+
+    def __next__(self) -> Batch:
+        if not self._reader.wait_ready(self.wait_seconds):
+            raise StopIteration
+        return next(self._batches)

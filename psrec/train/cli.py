@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from typing import Any
 
 
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
     started_ray = False
+    stop = _stop_on_signals() if config.training.mode == "continuous" else None
     try:
         with paused_gc():
             if config.ps.runtime == "ray":  # Ray starts while this process imports the training code
@@ -87,9 +90,10 @@ def run(args: argparse.Namespace) -> int:
                 progress=_log_progress,
                 resume=resume,
                 started_at=args.started_at,
+                stop=stop,
             )
         else:
-            summary = _train_with_bar(config, args.data_dir, resume, started_at=args.started_at)
+            summary = _train_with_bar(config, args.data_dir, resume, started_at=args.started_at, stop=stop)
     except (ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -120,7 +124,37 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_on_signals() -> threading.Event:
+    """A continuous run ends cleanly on the first SIGTERM or Ctrl-C (the chunk in progress ends, a
+    last checkpoint and the summary are written); a second one interrupts it at once."""
+    stop = threading.Event()
+
+    def request(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt(f"signal {signum}")
+        stop.set()
+        print("stopping: the last checkpoint is being written (signal again to interrupt)", file=sys.stderr)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, request)
+    return stop
+
+
+def _lag(report: dict[str, Any]) -> str:
+    return (
+        f"lag {report['events_behind']} events {report['seconds_behind']:.1f} s "
+        f"progressive auc {report['progressive_auc']:.4f} logloss {report['progressive_logloss']:.4f}"
+    )
+
+
 def _log_progress(report: dict[str, Any]) -> None:
+    if "events_behind" in report:  # a continuous run: lag instead of epochs
+        print(
+            f"step {report['step']} samples {report['samples']} {_lag(report)} "
+            f"{report['samples_per_second']:.0f} samples/s",
+            flush=True,
+        )
+        return
     print(
         f"epoch {report['epoch']} step {report['step']} samples {report['samples']} loss {report['loss']:.4f} "
         f"auc {report['running_auc']:.4f} {report['samples_per_second']:.0f} samples/s",
@@ -129,31 +163,39 @@ def _log_progress(report: dict[str, Any]) -> None:
 
 
 def _train_with_bar(
-    config: Any, data_dir: str, resume: bool | None, *, started_at: float | None
+    config: Any,
+    data_dir: str,
+    resume: bool | None,
+    *,
+    started_at: float | None,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from psrec.train.loop import train
 
     total = config.training.max_steps
-    with Progress(
-        TextColumn("[bold]train[/]"),
-        BarColumn(),
-        TextColumn("step {task.completed}"),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    ) as bar:
+    continuous = config.training.mode == "continuous"
+    columns = [TextColumn("[bold]train[/]"), BarColumn(), TextColumn("step {task.completed}")]
+    columns += [TextColumn("{task.fields[status]}"), TimeElapsedColumn()]
+    if not continuous:  # a stream has no end to estimate: its status shows the lag instead
+        columns.append(TimeRemainingColumn())
+    with Progress(*columns) as bar:
         task = bar.add_task("train", total=total, status="starting")
 
         def update(report: dict[str, Any]) -> None:
-            status = (
-                f"loss {report['loss']:.4f} auc {report['running_auc']:.4f} "
-                f"{report['samples_per_second']:.0f} samples/s"
-            )
+            if "events_behind" in report:
+                status = f"{_lag(report)} {report['samples_per_second']:.0f} samples/s"
+            else:
+                status = (
+                    f"loss {report['loss']:.4f} auc {report['running_auc']:.4f} "
+                    f"{report['samples_per_second']:.0f} samples/s"
+                )
             bar.update(task, total=report.get("total_steps"), completed=report["step"], status=status)
 
-        return train(config, base_dir=data_dir, progress=update, resume=resume, started_at=started_at)
+        return train(
+            config, base_dir=data_dir, progress=update, resume=resume, started_at=started_at, stop=stop
+        )
 
 
 def format_profile(summary: dict[str, Any]) -> str:

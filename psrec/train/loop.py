@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, e
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
 from psrec.train.runtime import Runtime, make_runtime
+from psrec.train.stream_progress import StreamProgress
 from psrec.trainer.chunks import ChunkResult
 from psrec.trainer.metrics import BinaryMetricAccumulator
 from psrec.trainer.startup import paused_gc, startup_report
@@ -143,6 +145,7 @@ def train(
     runtime: Runtime | None = None,
     resume: bool | None = None,
     started_at: float | None = None,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Train as `config` says; returns (and writes to RUN_DIR/summary.json) the run summary.
 
@@ -152,8 +155,13 @@ def train(
     directories it created (`psrec.train.run_dir`), and only once the data and runtime are set up.
     `started_at` (wall clock, `time.time()`) is when the program started, e.g. the `psrec` command's
     entry: the summary's ``startup.seconds_to_first_step`` counts from it, or from this call when None.
+    `stop`: once set, the run ends at the next chunk's end with a checkpoint and its summary (how
+    `psrec train` ends a continuous run on SIGTERM). A continuous run (``training.mode:
+    continuous``) found in the run directory is always resumed: a stream run is never finished.
     """
     called_at = time.time()
+    if resume is None and config.training.mode == "continuous":
+        resume = True
     run_dir = storage.location(config.run_dir)
     try:
         has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
@@ -184,7 +192,7 @@ def train(
     local_events = None if isinstance(run_dir, Path) else Path(tempfile.mkdtemp(prefix="psrec-events-"))
     writer = summary_writer(run_dir if isinstance(run_dir, Path) else Path(str(local_events)))
     try:
-        driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress)
+        driver = Driver(config, runtime, sources=sources, writer=writer, progress=progress, stop=stop)
         summary = driver.run(resume=plan.resume)
     finally:
         if writer is not None:
@@ -226,20 +234,26 @@ class Driver:
         sources: dict[str, Any],
         writer: Any = None,
         progress: ProgressFn | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.config = config
+        self.stop = stop
+        self.continuous = config.training.mode == "continuous"
+        self.stream = StreamProgress(window=config.training.stream.metrics_window)
         self.runtime = runtime
         self.sources = sources
         self.writer = writer
         self.progress = progress
         self.run_dir = str(config.run_dir)
         self.state = TrainState()
-        self.running = BinaryMetricAccumulator(window=100_000)
+        self.running = BinaryMetricAccumulator(window=100_000) if not self.continuous else self.stream.metrics
         self.train_seconds = 0.0
         self.phase_seconds: dict[str, float] = {}
         self.bytes_pulled = 0
         self.bytes_pushed = 0
         self.last_checkpoint: Any = None
+        self.last_checkpoint_at = time.monotonic()
+        self.positions: list[Any] = []  # each trainer's reader position after the last chunk
         self.since_full = 0
         self.checkpoint_seconds: list[dict[str, Any]] = []
         self.first_step_at: float | None = None  # wall clock: the end of this process's first step
@@ -266,7 +280,10 @@ class Driver:
         restarts = 0
         while True:
             try:
-                self._train_until_done()
+                if self.continuous:
+                    self._train_continuously()
+                else:
+                    self._train_until_done()
                 return self._finish()
             except Exception as error:
                 if not self._restart_decision(error, restarts).recover:
@@ -314,12 +331,53 @@ class Driver:
                     state.stopped = self._evaluate_and_decide()
                     if state.stopped:
                         break
-                if self._due(self.config.checkpoint.every_steps) and not exhausted:
+                if self._checkpoint_due() and not exhausted:
                     self._checkpoint()
             if not state.stopped and "validation" in self.sources and self._evaluated_now() is None:
                 state.stopped = self._evaluate_and_decide()
             state.epoch_done = True
             self._checkpoint()
+
+    def _train_continuously(self) -> None:
+        """Train while the stream's events arrive (`training.mode: continuous`): chunks of up to
+        `log_every_steps` steps, each ended early when a trainer's stream was quiet for
+        `training.stream.wait_seconds`; between chunks, report the lag, evaluate, checkpoint (and so
+        publish) as due. Ends on `stop`, at `max_steps`, or when the stream stayed quiet for
+        `training.stream.stop_after_idle_s`, with a checkpoint of the last step."""
+        state = self.state
+        while not (self.stop is not None and self.stop.is_set()):
+            if self.scaling.poll(state.step):  # moved rows are in no delta: the next is full
+                self.since_full = self.config.checkpoint.full_every
+            chunk = self._chunk_size()
+            if chunk <= 0:
+                break
+            before = state.step
+            exhausted = self._train_chunk(chunk)
+            if exhausted:
+                logger.info("the stream brought nothing for training.stream.stop_after_idle_s: the run ends")
+                break
+            if (
+                state.step > before
+                and self._due(self.config.training.eval_every_steps)
+                and "validation" in self.sources
+            ):
+                self._evaluate_and_decide()
+            if self._checkpoint_due():
+                self._checkpoint()
+        if self.last_checkpoint is None or self.last_checkpoint.step != state.step:
+            self._checkpoint()
+
+    def _checkpoint_due(self) -> bool:
+        """A checkpoint is due: every `checkpoint.every_steps` steps, or `every_seconds` after the
+        last one when steps were trained since."""
+        settings = self.config.checkpoint
+        if self._due(settings.every_steps):
+            return True
+        return (
+            settings.every_seconds is not None
+            and time.monotonic() - self.last_checkpoint_at >= settings.every_seconds
+            and (self.last_checkpoint is None or self.last_checkpoint.step != self.state.step)
+        )
 
     def _chunk_size(self) -> int:
         training = self.config.training
@@ -333,6 +391,8 @@ class Driver:
 
     def _total_steps(self) -> int | None:
         """Expected steps of the whole run (for the progress bar's ETA), when they can be known."""
+        if self.continuous:
+            return None
         if self._epoch_steps is None:
             self._epoch_steps = self.runtime.epoch_steps() or 0
         training = self.config.training
@@ -349,7 +409,9 @@ class Driver:
         results = self.runtime.train_steps(max_steps)
         self.train_seconds += time.perf_counter() - start
         self._absorb(results)
-        if results[0].steps:
+        if self.continuous:
+            self._report_stream(results)
+        elif results[0].steps:
             samples = sum(r.samples for r in results)
             report: dict[str, Any] = {
                 "total_steps": self._total_steps(),
@@ -365,6 +427,34 @@ class Driver:
             if self.progress is not None:
                 self.progress(report)
         return all(result.exhausted for result in results)
+
+    def _report_stream(self, results: list[ChunkResult]) -> None:
+        """After a chunk of a continuous run: lag and progressive validation, to the progress
+        callback and TensorBoard (`StreamProgress`)."""
+        samples = sum(r.samples for r in results)
+        point = self.stream.after_chunk(
+            [r.stream for r in results if r.stream is not None],
+            step=self.state.step,
+            samples=self.state.samples,
+        )
+        write_scalars(
+            self.writer,
+            "stream",
+            {k: v for k, v in point.items() if k not in ("step", "time", "samples")},
+            self.state.step,
+        )
+        if self.progress is not None:
+            self.progress(
+                point
+                | {
+                    "total_steps": None,
+                    "epoch": self.state.epoch,
+                    "loss": sum(r.loss_sum for r in results) / samples if samples else float("nan"),
+                    "running_auc": point["progressive_auc"],
+                    "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
+                    "phase_seconds": dict(self.phase_seconds),
+                }
+            )
 
     def _absorb(self, results: list[ChunkResult]) -> None:
         state = self.state
@@ -388,6 +478,7 @@ class Driver:
             for phase, seconds in result.phase_seconds.items():
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds / len(results)
         state.consumed.append((state.step, np.concatenate(row_ids)))
+        self.positions = [r.state.get("position") if r.state else None for r in results]
 
     # -- evaluation and early stopping ------------------------------------------------------------
     def _evaluated_now(self) -> dict[str, Any] | None:
@@ -450,6 +541,7 @@ class Driver:
         else:
             kind, parent = "delta", last
         start = time.perf_counter()
+        self.last_checkpoint_at = time.monotonic()
         extra = self.state.extra() | {"dense_precision": self.machines["dense_precision"]["resolved"]}
         ref = self.runtime.save_checkpoint(self.run_dir, kind=kind, parent=parent, extra=extra)
         manifest = checkpoint.read_manifest(ref)
@@ -609,6 +701,9 @@ class Driver:
             "placement": self.runtime.placement,
             **summarize_trainers(self.runtime.machine_reports()),
         }
+        if self.continuous:
+            summary["mode"] = "continuous"
+            summary["stream"] = self.stream.summary(self.positions)
         last = self._evaluated_now()
         if best_model in ("last", "lost") and last is not None:  # the model evaluated: its metrics
             summary["validation"] = {k: v for k, v in last.items() if k not in ("step", "epoch")}

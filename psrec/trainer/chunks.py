@@ -34,6 +34,8 @@ class ChunkResult:
     first_step_at: float | None = None  # wall clock when the chunk's first step ended
     # where the trainer stands after it (`TrainerWorker.checkpoint_state`): step, epoch, reader position
     state: dict[str, Any] | None = None
+    # a stream's lag after the chunk: {"events_behind", "newest_event_ms"} (None for files)
+    stream: dict[str, Any] | None = None
 
 
 @dataclass

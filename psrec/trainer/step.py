@@ -123,6 +123,7 @@ class _Planner:
         self._peeked: tuple[Batch, LookupPlan, Any] | None = None
         self._peeked_end = False
         self._peeked_error: Exception | None = None
+        self.finished = False  # `next` returned the end (a stream window's end: a new planner goes on)
 
     def peek(self) -> tuple[Batch, LookupPlan, Any] | None:
         """The item `next` returns next if it is ready now, else None (never waits); an error of
@@ -143,17 +144,22 @@ class _Planner:
     def next(self) -> tuple[Batch, LookupPlan, Any] | None:
         """The next routed batch and the reader position after it, or None once the reader ran out."""
         if self._peeked is not None:
-            item, self._peeked = self._peeked, None
-            return item
+            peeked, self._peeked = self._peeked, None
+            return peeked
         if self._peeked_error is not None:
             error, self._peeked_error = self._peeked_error, None
             raise error
         if self._peeked_end:
+            self.finished = True
             return None
+        item: tuple[Batch, LookupPlan, Any] | None
         if self._gate is not None and not self._plans.ready():
             with self._gate.released():
-                return next(self._plans, None)
-        return next(self._plans, None)
+                item = next(self._plans, None)
+        else:
+            item = next(self._plans, None)
+        self.finished = item is None
+        return item
 
     def close(self) -> None:
         self._plans.close()
@@ -254,7 +260,7 @@ class StepRunner:
         """
         self.model.train()
         ahead: collections.deque[_Prefetched] = collections.deque()
-        if self._planner is None or self._planner.source is not batches:
+        if self._planner is None or self._planner.source is not batches or self._planner.finished:
             self.close()
             self._planner = _Planner(batches, self.client, self.timer, position, self.input_gate)
         planner = self._planner

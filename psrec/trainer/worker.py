@@ -25,7 +25,7 @@ from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
 from psrec.data.kafka_source import KafkaSource, open_kafka_reader, partitions_for, topic_partitions
-from psrec.data.reader import PreparedCache, open_reader
+from psrec.data.reader import PreparedCache, StreamWindow, open_reader
 from psrec.data.schema import DataSource
 from psrec.machine import describe_machine
 from psrec.parallel import rendezvous
@@ -322,14 +322,17 @@ class TrainerWorker:
         source = self.sources["train"]
         shard = self.trainer_index // self.num_stages  # a pipeline replica's stages share one
         num_shards = self.world_size // self.num_stages
-        if isinstance(source, KafkaSource):  # bounded: each of its partitions read to its end
+        if isinstance(source, KafkaSource):
+            continuous = training.mode == "continuous"
             self._reader = open_kafka_reader(
                 source,
                 self.config.feature_schema(),
                 batch_size=training.batch_size,
                 partitions=partitions_for(shard, num_shards, topic_partitions(source)),
                 position=position,
-                until="end",
+                until=None if continuous else "end",  # bounded: each partition read to its end
+                idle_timeout_s=training.stream.stop_after_idle_s if continuous else None,
+                max_batch_delay_s=training.stream.batch_timeout_s if continuous else None,
                 gate=self._input_gate,
             )
         else:
@@ -346,7 +349,10 @@ class TrainerWorker:
                 gate=self._input_gate,
                 cache=self._data_cache,
             )
-        self._batches = iter(self._reader)
+        if training.mode == "continuous":  # a chunk ends when the stream brought nothing for a while
+            self._batches = StreamWindow(self._reader, wait_seconds=training.stream.wait_seconds)
+        else:
+            self._batches = iter(self._reader)
         self._opened_at = position
         self._input_reported = {}
         self._failed_reported = 0
@@ -371,6 +377,8 @@ class TrainerWorker:
             steps += 1
             self.step = result.step + 1
             chunk.record(result)
+        if isinstance(self._batches, StreamWindow):  # a quiet stream ends a chunk, not the stream
+            return self._take_chunk(exhausted=steps < max_steps and self._reader.ended)
         return self._take_chunk(exhausted=steps < max_steps)
 
     def _new_chunk(self) -> ChunkSoFar:
@@ -402,9 +410,21 @@ class TrainerWorker:
             failed_units=failed_units,
             first_step_at=chunk.first_step_at,
             state=self.checkpoint_state(),
+            stream=self._stream_report(),
         )
         self._chunk = self._new_chunk()
         return result
+
+    def _stream_report(self) -> dict[str, Any] | None:
+        """A stream's lag after the chunk: messages behind the partitions' ends, newest event trained."""
+        if not isinstance(self.sources.get("train"), KafkaSource) or self._reader is None:
+            return None
+        stats = self._reader.stats()
+        position = self.checkpoint_state()["position"] or {}
+        return {
+            "events_behind": int(stats.get("events_behind", 0)),
+            "newest_event_ms": int(position.get("newest_event_ms", -1)),
+        }
 
     # -- trainer failover (psrec.elastic.trainer_failover) -------------------------------------------
     def abort_chunk(self) -> dict[str, Any]:

@@ -1,0 +1,291 @@
+"""Continuous training (`training.mode: continuous`) from a Kafka topic, against the real test broker.
+
+Oracles: the same rows in a TSV file trained by the file reader (one trainer, one partition, sync,
+full batches: the same batches in the same order, so the same model bit for bit), and the Kafka
+offsets themselves (every message trained exactly once: rows consumed == distinct rows == messages).
+Runs are stopped as a user stops them: `stop` (what SIGTERM sets), SIGKILL of the `psrec train`
+process, the stream going quiet (`stop_after_idle_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from psrec.checkpoint import list_checkpoints
+from psrec.config import ConfigError, parse_config
+from psrec.data.synth import criteo_schema
+from psrec.train.loop import train as train_run
+from psrec.train.runtime import LocalRuntime
+from tests.conftest import small_run_config
+from tests.train.test_kafka_training import (
+    ROWS,
+    _stream,
+    assert_same_model,
+    broker,  # noqa: F401 - fixture
+    criteo_lines,  # noqa: F401 - fixture
+)
+from tests.train.test_local_resume import FinishedRun
+
+CONTINUOUS = {
+    "training.mode": "continuous",
+    "training.stream.wait_seconds": 0.3,
+    "training.stream.batch_timeout_s": None,  # full batches: the file oracle's batches
+    "training.stream.stop_after_idle_s": 2.0,
+    "checkpoint.full_every": 2,
+}
+DEADLINE_S = 120.0
+
+
+def _run(
+    train: dict[str, Any],
+    validation: dict[str, Any],
+    run_dir: Path,
+    *,
+    stop: Any = None,
+    progress: Any = None,
+    **settings: Any,
+) -> FinishedRun:
+    sources = {"train": train, "validation": validation}
+    config = small_run_config(sources, run_dir, **(CONTINUOUS | settings))
+    runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
+    try:
+        summary = train_run(config, runtime=runtime, stop=stop, progress=progress)
+        return FinishedRun(summary, runtime.dense_states()[0], runtime.table_rows())
+    finally:
+        runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def file_run(
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> FinishedRun:
+    """The oracle: the stream's rows as one TSV file, trained in epochs mode."""
+    directory = tmp_path_factory.mktemp("continuous_oracle")
+    path = directory / "rows.tsv"
+    path.write_text("".join(f"{line}\n" for line in criteo_lines))
+    sources = {
+        "train": {"format": "criteo_tsv", "paths": [str(path)]},
+        "validation": synthetic_sources["validation"],
+    }
+    config = small_run_config(sources, directory / "run", **{"checkpoint.full_every": 2})
+    runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
+    try:
+        summary = train_run(config, runtime=runtime)
+        return FinishedRun(summary, runtime.dense_states()[0], runtime.table_rows())
+    finally:
+        runtime.shutdown()
+
+
+def test_a_continuous_run_trains_the_model_its_rows_in_a_file_train(
+    broker: Any,  # noqa: F811
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    file_run: FinishedRun,
+    tmp_path: Path,
+) -> None:
+    train = _stream(broker, [line.encode() for line in criteo_lines])
+    run = _run(train, synthetic_sources["validation"], tmp_path)
+    summary = run.summary
+    assert summary["mode"] == "continuous"
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
+    assert summary["stream"]["events_behind"] == 0
+    (position,) = summary["stream"]["positions"]
+    assert position["offsets"] == {train["topics"][0]: {"0": ROWS}}
+    assert 0.5 < summary["stream"]["progressive_auc"] < 1
+    assert list_checkpoints(tmp_path)[-1].step == summary["steps"]
+    assert_same_model(run, file_run)
+
+
+def test_a_live_stream_is_trained_once_with_checkpoints_by_time_until_stopped(
+    broker: Any,  # noqa: F811
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    """Messages produced while the run trains, in bursts with pauses: short batches after
+    batch_timeout_s, checkpoints every second, lag reported; `stop` ends it with a checkpoint."""
+    train = _stream(broker, [])
+    topic = train["topics"][0]
+    messages = [line.encode() for line in criteo_lines[:1500]]
+
+    def produce() -> None:
+        for start in range(0, len(messages), 300):
+            broker.produce(topic, [(0, m) for m in messages[start : start + 300]])
+            time.sleep(0.7)
+
+    stop = threading.Event()
+    points: list[dict[str, Any]] = []
+
+    def watch(report: dict[str, Any]) -> None:
+        points.append(report)
+        if report["samples"] >= len(messages) and report["events_behind"] == 0:
+            stop.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    timer = threading.Timer(DEADLINE_S, stop.set)  # bounded: the assertions below then fail
+    timer.start()
+    try:
+        run = _run(
+            train,
+            synthetic_sources["validation"],
+            tmp_path,
+            stop=stop,
+            progress=watch,
+            **{
+                "training.stream.batch_timeout_s": 0.2,
+                "training.stream.stop_after_idle_s": None,
+                "checkpoint.every_seconds": 1.0,
+            },
+        )
+    finally:
+        timer.cancel()
+        producer.join()
+    summary = run.summary
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == len(messages)
+    assert summary["stream"]["positions"][0]["offsets"] == {topic: {"0": len(messages)}}
+    assert summary["stream"]["events_behind"] == 0
+    assert all(p["samples"] <= len(messages) for p in points)
+    assert summary["steps"] > len(messages) // 256 + 1  # short batches: the stream paused between bursts
+    by_time = [c for c in summary["checkpoints"] if c["step"] > 0]
+    assert len(by_time) >= 2, summary["checkpoints"]
+    assert list_checkpoints(tmp_path)[-1].step == summary["steps"]  # the stop's checkpoint
+    newest = summary["stream"]["newest_event_ms"]
+    assert abs(newest / 1000 - time.time()) < DEADLINE_S  # broker timestamps: the produce time
+
+
+def _cli_config(train: dict[str, Any], validation: dict[str, Any], run_dir: Path) -> Path:
+    config = small_run_config({"train": train, "validation": validation}, run_dir, **CONTINUOUS)
+    data = config.model_dump(mode="json", by_alias=True)
+    path = run_dir.parent / "stream.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _psrec(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psrec.cli", *args]
+
+
+def test_a_killed_continuous_run_started_again_trains_every_event_once(
+    broker: Any,  # noqa: F811
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    file_run: FinishedRun,
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of `psrec train` mid-stream, then the same command again: it resumes from the last
+    checkpoint's Kafka position and ends with the model of the undisturbed run (the file oracle)."""
+    train = _stream(broker, [line.encode() for line in criteo_lines], poll_timeout_s=0.1)
+    run_dir = tmp_path / "run"
+    config = _cli_config(train, synthetic_sources["validation"], run_dir)
+    command = _psrec(
+        "train",
+        str(config),
+        "--no-progress",
+        "--set",
+        "checkpoint.every_steps=2",
+        "--set",
+        "training.log_every_steps=1",
+        "--set",
+        "training.stream.stop_after_idle_s=30",
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline:
+            steps = [ref.step for ref in list_checkpoints(run_dir)] if run_dir.is_dir() else []
+            if steps and max(steps) >= 4:
+                break
+            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    killed_at = max(ref.step for ref in list_checkpoints(run_dir))
+    assert 4 <= killed_at < -(-ROWS // 256)
+    assert not (run_dir / "summary.json").exists()
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"]["step"] == killed_at
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
+    for metric in ("auc", "logloss"):
+        assert summary["validation"][metric] == file_run.summary["validation"][metric], metric
+
+
+def test_sigterm_ends_a_continuous_run_with_a_checkpoint_and_its_summary(
+    broker: Any,  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    criteo_lines: list[str],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    train = _stream(broker, [line.encode() for line in criteo_lines[:600]])
+    run_dir = tmp_path / "run"
+    config = _cli_config(train, synthetic_sources["validation"], run_dir)
+    command = _psrec(
+        "train",
+        str(config),
+        "--no-progress",
+        "--set",
+        "training.stream.stop_after_idle_s=null",
+        "--set",
+        "training.stream.batch_timeout_s=0.2",  # the last 88 rows train as a short batch
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        assert process.stdout is not None
+        for line in process.stdout:  # progress lines: wait until the 600 rows are trained
+            if "samples 600 " in line or time.monotonic() > deadline:
+                break
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rows_consumed"] == 600
+    assert list_checkpoints(run_dir)[-1].step == summary["steps"] == 3
+    assert summary["stream"]["events_behind"] == 0
+
+
+def test_continuous_mode_is_validated_naming_the_field(tmp_path: Path) -> None:
+    base = {
+        "run_dir": str(tmp_path),
+        "data": {
+            "schema": criteo_schema().model_dump(),
+            "train": {"format": "kafka", "bootstrap_servers": "127.0.0.1:9092", "topics": ["clicks"]},
+        },
+        "model": {"name": "dlrm", "bottom_hidden_sizes": [16], "top_hidden_sizes": [16, 8]},
+        "embedding": {"default": {"dim": 4}},
+        "training": {"mode": "continuous"},
+    }
+    assert parse_config(base).training.mode == "continuous"
+    for overrides, words in (
+        ({"data.train": {"format": "parquet", "paths": ["a.parquet"]}}, ["continuous", "kafka", "parquet"]),
+        ({"training.early_stopping": {"metric": "auc"}}, ["training.early_stopping", "continuous"]),
+        ({"ps.strategy": "collective", "ps.runtime": "ray"}, ["continuous", "collective"]),
+        ({"training.stream.wait_seconds": 0}, ["training.stream.wait_seconds"]),
+        ({"training.mode": "forever"}, ["training.mode", "continuous"]),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            parse_config(base, overrides=overrides)
+        for word in words:
+            assert word in str(caught.value), (overrides, str(caught.value))
