@@ -461,11 +461,11 @@ class RunConfig(_Strict):
             self._check_pipeline(self.ps.pipeline)
         if isinstance(self.data.train, KafkaSource) or self.training.mode == "continuous":
             self._check_stream()
-        if self.model.name == "sasrec":
+        if self.model.ranks_items:
             self._check_sasrec_negatives(getattr(self.model, "loss", "bce"))
         early = self.training.early_stopping
-        if self.training.full_ranking and self.model.name != "sasrec":
-            raise ValueError(f"training.full_ranking ranks items for model sasrec, not {self.model.name!r}")
+        if self.training.full_ranking and not self.model.ranks_items:
+            raise ValueError(f"training.full_ranking ranks items for sasrec and hstu, not {self.model.name!r}")
         if early is not None and early.metric.startswith("full_") and not self.training.full_ranking:
             raise ValueError(
                 f"training.early_stopping.metric {early.metric!r} needs training.full_ranking: true"
@@ -551,14 +551,12 @@ class RunConfig(_Strict):
                 f"data.schema.sequences 'negatives' must use the item table of 'seq' "
                 f"({sequences['seq'].table!r}), not {negatives.table!r}"
             )
-        if loss == "sampled_softmax" and self.ps.pipeline is not None:
-            raise ValueError("ps.pipeline trains SASRec with model.loss 'bce' only")
 
     def _check_pipeline(self, pipeline: PipelineConfig) -> None:
         num_blocks = getattr(self.model, "num_blocks", None)
-        if self.model.name not in ("sasrec", "bst") or num_blocks is None:
+        if not self.model.has_stages or num_blocks is None:
             raise ValueError(
-                f"ps.pipeline needs a model with stages (sasrec, bst), got model.name {self.model.name!r}"
+                f"ps.pipeline needs a model with stages (sasrec, bst, hstu), got model.name {self.model.name!r}"
             )
         if pipeline.stages > num_blocks + 2:
             raise ValueError(
@@ -591,6 +589,9 @@ class RunConfig(_Strict):
                 # state and rows under either precision): a run resumes in the precision it resolves
                 # to now, and the driver warns when that differs from the checkpoint's
                 "dense_precision",
+                # how a continuous run waits for its stream (the positions in the checkpoint say
+                # where it stands): a resumed stream run may wait, cut batches and stop otherwise
+                "stream",
             )
         }
         data.pop("run_dir")

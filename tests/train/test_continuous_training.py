@@ -220,6 +220,7 @@ def test_a_killed_continuous_run_started_again_trains_every_event_once(
     assert 4 <= killed_at < -(-ROWS // 256)
     assert not (run_dir / "summary.json").exists()
 
+    command[-1] = "training.stream.stop_after_idle_s=2"  # the same run, ending once the stream is read
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -227,6 +228,57 @@ def test_a_killed_continuous_run_started_again_trains_every_event_once(
     assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
     for metric in ("auc", "logloss"):
         assert summary["validation"][metric] == file_run.summary["validation"][metric], metric
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("victim", ["trainer", "shard"])
+def test_a_killed_trainer_or_shard_mid_stream_loses_no_event_and_repeats_none(
+    ray_cluster: None,
+    broker: Any,  # noqa: F811
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    file_run: FinishedRun,
+    tmp_path: Path,
+    victim: str,
+) -> None:
+    """SIGKILL of the Ray trainer (the job rolls back to its last checkpoint and re-reads the stream
+    from the checkpoint's offsets) or of a shard (rebuilt alone from its checkpoint and log): the
+    run ends with the undisturbed model, every message trained once."""
+    import ray
+
+    from psrec.train.runtime import RayRuntime
+
+    train = _stream(broker, [line.encode() for line in criteo_lines])
+    sources = {"train": train, "validation": synthetic_sources["validation"]}
+    settings = CONTINUOUS | {
+        "ps.runtime": "ray",
+        "checkpoint.every_steps": 2,
+        "training.log_every_steps": 1,
+    }
+    config = small_run_config(sources, tmp_path, **settings)
+    runtime = RayRuntime(config, base_dir=".", data_sources=sources)
+    killed: list[int] = []
+
+    def kill_once(report: dict[str, Any]) -> None:
+        if report["step"] >= 5 and not killed:  # after the step-4 checkpoint, before step 6's
+            actor = runtime.trainers[0] if victim == "trainer" else runtime.shards[1]
+            pid = ray.get(actor.pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    try:
+        summary = train_run(config, runtime=runtime, progress=kill_once)
+        run = FinishedRun(summary, runtime.dense_states()[0], runtime.table_rows())
+    finally:
+        runtime.shutdown()
+    assert killed, "the victim was never killed"
+    if victim == "trainer":
+        assert [r["restored_step"] for r in summary["recoveries"]] == [4]
+    else:
+        assert len(summary["failovers"]) == 1 and not summary["recoveries"]
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
+    assert summary["stream"]["positions"][0]["offsets"] == {train["topics"][0]: {"0": ROWS}}
+    assert_same_model(run, file_run)
 
 
 def test_sigterm_ends_a_continuous_run_with_a_checkpoint_and_its_summary(
