@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, TypeAdapter
 
 if TYPE_CHECKING:
     from torch import nn
 
     from psrec.models.base import ClickThroughRateModel
+    from psrec.models.hstu import HSTU
     from psrec.models.sasrec import SASRec
 
 Activation = Literal["relu", "leaky_relu", "gelu", "tanh", "sigmoid", "prelu"]
@@ -43,6 +44,11 @@ class _ModelConfigBase(BaseModel):
     # Whether its model takes `ModelInput.linear` (the model class's own `uses_linear_terms`), known
     # without importing the model: the driver of a Ray run lays out the tables without torch.
     uses_linear_terms: ClassVar[bool] = False
+    # Whether its model predicts the next item of interaction sequences (SASRec, HSTU): it trains on the
+    # interactions format and is evaluated by ranking items (sampled candidates, or all of them).
+    ranks_items: ClassVar[bool] = False
+    # Whether its model has `stages()` (embedding, block stack, head), so that ps.pipeline can split it.
+    has_stages: ClassVar[bool] = False
 
 
 class LRConfig(_ModelConfigBase):
@@ -98,6 +104,7 @@ class DLRMConfig(_ModelConfigBase):
 
 class BSTConfig(_ModelConfigBase):
     name: Literal["bst"] = "bst"
+    has_stages = True
     target_feature_index: Annotated[int, Field(ge=0)]  # which pooled feature is the target item
     sequence_name: str = "history"
     max_length: PositiveInt = 50
@@ -110,6 +117,8 @@ class BSTConfig(_ModelConfigBase):
 class SASRecConfig(_ModelConfigBase):
     name: Literal["sasrec"] = "sasrec"
     size_arguments = ("embedding_dim",)
+    ranks_items = True
+    has_stages = True
     max_length: PositiveInt = 200
     num_blocks: PositiveInt = 2
     num_heads: PositiveInt = 1
@@ -119,8 +128,37 @@ class SASRecConfig(_ModelConfigBase):
     loss: Literal["bce", "sampled_softmax"] = "bce"
 
 
+class HSTUConfig(_ModelConfigBase):
+    """HSTU; the defaults are the reference's ML-1M settings (configs/ml-1m/hstu-sampled-softmax-n128-final.gin)."""
+
+    name: Literal["hstu"] = "hstu"
+    size_arguments = ("embedding_dim",)
+    ranks_items = True
+    has_stages = True
+    max_length: PositiveInt = 200
+    num_blocks: PositiveInt = 2
+    num_heads: PositiveInt = 1
+    attention_dim: PositiveInt = 50  # dqk, per head
+    linear_dim: PositiveInt = 50  # dv, per head
+    dropout: Dropout = 0.2  # on the input embeddings and on U * Norm(AV) (the reference sets both 0.2)
+    temperature: PositiveFloat = 0.05  # logits = cosine / temperature
+    # sampled_softmax (the reference's): the data schema's "negatives" (N items per user); bce: "neg".
+    loss: Literal["bce", "sampled_softmax"] = "sampled_softmax"
+    # Run the blocks on the packed real tokens (psrec/models/jagged.py); false: on the padded batch,
+    # the dense oracle (same weights, same results within float rounding, slower).
+    jagged: bool = True
+
+
 ModelConfig = Annotated[
-    LRConfig | FMConfig | WideDeepConfig | DeepFMConfig | DCNv2Config | DLRMConfig | BSTConfig | SASRecConfig,
+    LRConfig
+    | FMConfig
+    | WideDeepConfig
+    | DeepFMConfig
+    | DCNv2Config
+    | DLRMConfig
+    | BSTConfig
+    | SASRecConfig
+    | HSTUConfig,
     Field(discriminator="name"),
 ]
 
@@ -132,7 +170,7 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
     return _MODEL_CONFIG_ADAPTER.validate_python(data)
 
 
-def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRec]:
+def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRec] | type[HSTU]:
     """The model class `config` builds. The models are imported here, not with this module: a run's
     config is validated before torch is imported (`psrec train` starts its Ray cluster meanwhile)."""
     from psrec.models.bst import BehaviorSequenceTransformer
@@ -140,11 +178,12 @@ def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRe
     from psrec.models.deepfm import DeepFM
     from psrec.models.dlrm import DLRM
     from psrec.models.fm import FactorizationMachineModel
+    from psrec.models.hstu import HSTU
     from psrec.models.lr import LogisticRegression
     from psrec.models.sasrec import SASRec
     from psrec.models.wide_deep import WideAndDeep
 
-    classes: dict[str, type[ClickThroughRateModel] | type[SASRec]] = {
+    classes: dict[str, type[ClickThroughRateModel] | type[SASRec] | type[HSTU]] = {
         "lr": LogisticRegression,
         "fm": FactorizationMachineModel,
         "wide_deep": WideAndDeep,
@@ -153,6 +192,7 @@ def model_class(config: ModelConfig) -> type[ClickThroughRateModel] | type[SASRe
         "dlrm": DLRM,
         "bst": BehaviorSequenceTransformer,
         "sasrec": SASRec,
+        "hstu": HSTU,
     }
     return classes[config.name]
 
@@ -165,8 +205,8 @@ def uses_linear_terms(config: ModelConfig) -> bool:
 def build_model(config: ModelConfig, *, num_dense: int, num_sparse: int, embedding_dim: int) -> nn.Module:
     """The model `config` describes, for data with these feature counts and embedding dimension.
 
-    ``num_sparse`` counts the pooled features (``ModelInput.pooled.shape[1]``); SASRec ignores it and
-    ``num_dense``. Size mismatches the config cannot see (a BST target index beyond ``num_sparse``,
+    ``num_sparse`` counts the pooled features (``ModelInput.pooled.shape[1]``); SASRec and HSTU ignore it
+    and ``num_dense``. Size mismatches the config cannot see (a BST target index beyond ``num_sparse``,
     heads not dividing ``embedding_dim``) raise ValueError here.
     """
     if num_dense < 0 or num_sparse < 0 or embedding_dim < 1:

@@ -206,10 +206,13 @@ class SASRec(nn.Module):
         return self(inp)
 
 
-def sampled_softmax_loss(positive: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each target among itself and its sampled negatives.
+def sampled_softmax_loss(
+    positive: torch.Tensor, negatives: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean"
+) -> torch.Tensor:
+    """Mean (or summed) cross-entropy of each target among itself and its sampled negatives.
 
     positive (R,) and negatives (R, N) logits of R real positions: ``mean(logsumexp([p, n]) - p)``.
     """
     logits = torch.cat([positive.unsqueeze(-1), negatives], dim=-1)  # (R, 1 + N)
-    return (torch.logsumexp(logits, dim=-1) - positive).mean()
+    losses = torch.logsumexp(logits, dim=-1) - positive  # (R,)
+    return losses.sum() if reduction == "sum" else losses.mean()

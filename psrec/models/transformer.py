@@ -208,3 +208,22 @@ class TransformerStack(nn.Module):
         for block in self.blocks:
             hidden = block(hidden, bias) * keep
         return {**state, "hidden": hidden}
+
+    def block_parts(self) -> list[nn.Module]:
+        """One ``state -> state`` module per block; their chain equals `forward` (`psrec.models.base.BlockStack`)."""
+        return [BlockOnState(block, causal=self.causal) for block in self.blocks]  # type: ignore[arg-type]
+
+
+class BlockOnState(nn.Module):
+    """One `TransformerBlock` of a stack on the state dict (what `TransformerStack.forward` does per block)."""
+
+    def __init__(self, block: TransformerBlock, *, causal: bool) -> None:
+        super().__init__()
+        self.block = block
+        self.causal = causal
+
+    def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        hidden, mask = state["hidden"], state["mask"]  # (B, L, D), (B, L)
+        bias = attention_bias(mask, causal=self.causal)  # (B, 1, L, L)
+        keep = mask.unsqueeze(-1).to(hidden.dtype)
+        return {**state, "hidden": self.block(hidden, bias) * keep}

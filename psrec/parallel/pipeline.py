@@ -1,8 +1,9 @@
-"""Pipeline parallelism for the Transformer recommenders (SASRec, BST) with `torch.distributed.pipelining`.
+"""Pipeline parallelism for the sequence recommenders (SASRec, BST, HSTU) with `torch.distributed.pipelining`.
 
 A sequence model's `stages()` (embedding, block stack, head) become a chain of parts
-``[embedding, block 0, ..., block n-1, head]`` cut into `num_stages` contiguous stages
-(`split_parts`): the embedding stage goes first, the head last, the blocks are dealt out evenly. Each
+``[embedding, block 0, ..., block n-1, head]`` (the stack's `block_parts()`) cut into `num_stages`
+contiguous stages (`split_parts`): the embedding stage goes first, the head last, the blocks are
+dealt out evenly. Each
 process runs one stage as a `PipelineStage`; a `ScheduleGPipe` or `Schedule1F1B` schedule streams
 micro-batches through them. With W = R * S processes, R pipeline replicas of S stages each train
 data-parallel: rank r is stage ``r % S`` of replica ``r // S`` (`PipelineLayout`), and after each step
@@ -46,7 +47,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from psrec.models.base import ModelInput
-from psrec.models.transformer import TransformerBlock, TransformerStack, attention_bias
+from psrec.models.sasrec import sampled_softmax_loss
 from psrec.parallel.allreduce import allreduce_mean
 
 logger = logging.getLogger(__name__)
@@ -107,28 +108,18 @@ def split_parts(num_parts: int, num_stages: int) -> list[range]:
 
 
 # -- stage modules --------------------------------------------------------------------------------
-class BlockOnState(nn.Module):
-    """One `TransformerBlock` of a stack, on the state dict (what `TransformerStack.forward` does per block)."""
-
-    def __init__(self, block: TransformerBlock, *, causal: bool) -> None:
-        super().__init__()
-        self.block = block
-        self.causal = causal
-
-    def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden, mask = state["hidden"], state["mask"]  # (B, L, D), (B, L)
-        bias = attention_bias(mask, causal=self.causal)  # (B, 1, L, L)
-        keep = mask.unsqueeze(-1).to(hidden.dtype)
-        return {**state, "hidden": self.block(hidden, bias) * keep}
-
-
 def model_parts(model: nn.Module) -> list[nn.Module]:
-    """``[embedding, block 0, ..., head]`` of a model with `stages()`; their chain equals the forward."""
+    """``[embedding, block 0, ..., head]`` of a model with `stages()`; their chain equals the forward.
+
+    The blocks are the stack's `block_parts()` (`psrec.models.base.BlockStack`): SASRec's and BST's
+    Transformer blocks, HSTU's blocks (each packing its batch when jagged)."""
     stages = model.stages()  # type: ignore[operator]
-    if not isinstance(stages.blocks, TransformerStack):
-        raise TypeError(f"pipeline needs a TransformerStack as blocks, got {type(stages.blocks).__name__}")
-    blocks = [BlockOnState(b, causal=stages.blocks.causal) for b in stages.blocks.blocks]  # type: ignore[arg-type]
-    return [stages.embedding, *blocks, stages.head]
+    block_parts = getattr(stages.blocks, "block_parts", None)
+    if block_parts is None:
+        raise TypeError(
+            f"pipeline needs a block stack with block_parts(), got {type(stages.blocks).__name__}"
+        )
+    return [stages.embedding, *block_parts(), stages.head]
 
 
 def input_keys(inp: ModelInput) -> tuple[str, ...]:
@@ -138,6 +129,8 @@ def input_keys(inp: ModelInput) -> tuple[str, ...]:
         keys.append(f"sequence:{name}")
         if name in inp.masks:
             keys.append(f"mask:{name}")
+        if name in inp.timestamps:
+            keys.append(f"timestamps:{name}")
     return tuple(keys)
 
 
@@ -149,19 +142,23 @@ def flatten_input(inp: ModelInput, keys: tuple[str, ...]) -> tuple[torch.Tensor,
             out.append(inp.sequences[name])
         elif kind == "mask":
             out.append(inp.masks[name])
+        elif kind == "timestamps":
+            out.append(inp.timestamps[name])
         else:
             out.append(getattr(inp, kind))
     return tuple(out)
 
 
 def unflatten_input(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> ModelInput:
-    fields: dict[str, Any] = {"linear": None, "sequences": {}, "masks": {}}
+    fields: dict[str, Any] = {"linear": None, "sequences": {}, "masks": {}, "timestamps": {}}
     for key, tensor in zip(keys, tensors, strict=True):
         kind, _, name = key.partition(":")
         if kind == "sequence":
             fields["sequences"][name] = tensor
         elif kind == "mask":
             fields["masks"][name] = tensor.bool()
+        elif kind == "timestamps":
+            fields["timestamps"][name] = tensor
         else:
             fields[kind] = tensor
     return ModelInput(**fields)
@@ -243,7 +240,12 @@ def learn_signature(model: nn.Module, inp: ModelInput) -> StageSignature:
         state = parts[0](one)
         out = parts[-1](state)
     model.train(was_training)
-    loss_outputs = ("pos_logits", "neg_logits") if "pos_logits" in out else ("logits",)
+    if "negatives_logits" in out:  # sampled softmax (SASRec, HSTU)
+        loss_outputs: tuple[str, ...] = ("pos_logits", "negatives_logits")
+    elif "pos_logits" in out:  # BCE with one negative per position
+        loss_outputs = ("pos_logits", "neg_logits")
+    else:
+        loss_outputs = ("logits",)
     return StageSignature(
         keys,
         tuple(sorted(state)),
@@ -256,16 +258,22 @@ def learn_signature(model: nn.Module, inp: ModelInput) -> StageSignature:
 class MicrobatchLoss:
     """Loss of one micro-batch, normalised by the whole batch so that micro-batch losses sum to the mean.
 
-    SASRec (outputs ``(pos_logits, neg_logits)``, target the (B, L) real-position mask): the summed
-    positive and negative BCE over real positions / the batch's real positions. CTR models such as BST
-    (outputs ``logits``, target the (B,) labels): the summed BCE / the batch size.
+    Next-item models (target the (B, L) real-position mask): with outputs ``(pos_logits, neg_logits)``
+    (B, L) each, the summed positive and negative BCE over real positions; with outputs
+    ``(pos_logits, negatives_logits)`` (B, L) and (B, L, N), the summed sampled-softmax cross-entropy
+    (`psrec.models.sasrec.sampled_softmax_loss`); either / the batch's real positions.
+    CTR models such as BST (outputs ``logits``, target the (B,) labels): the summed BCE / the batch size.
     """
 
     def __init__(self) -> None:
         self.normalizer = 1.0
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        if isinstance(output, tuple):
+        if isinstance(output, tuple) and output[1].ndim == 3:
+            positive, negatives = output
+            real = target.bool()
+            loss = sampled_softmax_loss(positive[real], negatives[real], reduction="sum")
+        elif isinstance(output, tuple):
             positive, negative = output
             real = target.bool()
             loss = functional.binary_cross_entropy_with_logits(

@@ -257,7 +257,7 @@ def feature_tables(config: RunConfig) -> dict[str, str]:
 
 def sequence_tables(config: RunConfig) -> dict[str, str]:
     tables = {f.name: f.table for f in config.feature_schema().sequences}
-    if config.model.name == "sasrec" and "seq" in tables:
+    if config.model.ranks_items and "seq" in tables:
         tables.setdefault("candidates", tables["seq"])  # evaluation candidates are items too
     return tables
 

@@ -325,8 +325,9 @@ def _scores(output: Any) -> torch.Tensor:
     """The running metrics' scores, flat float64: SASRec's [positive, negative] logits at the last
     position (B, 2); BST's click probabilities (B,) (as `model.loss` returns them)."""
     if isinstance(output, tuple):
-        positive, negative = output
-        scores = torch.stack([positive[:, -1], negative[:, -1]], dim=1)
+        positive, negative = output  # negative (B, L), or (B, L, N) for the sampled softmax
+        last_negative = negative[:, -1] if negative.ndim == 2 else negative[:, -1, 0]
+        scores = torch.stack([positive[:, -1], last_negative], dim=1)
     else:
         scores = torch.sigmoid(output)
     return scores.reshape(-1).double()

@@ -510,7 +510,7 @@ class TrainerWorker:
         ``training.full_ranking`` {"full_ranks"} among all items, the user's input items excluded.
         """
         self.runner.flush()
-        if self.config.model.name == "sasrec":
+        if self.config.model.ranks_items:
             return self._evaluate_ranking(split)
         reader = open_reader(
             self._file_source(split),

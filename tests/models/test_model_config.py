@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from psrec.models import (
     DLRM,
+    HSTU,
     BehaviorSequenceTransformer,
     DCNv2,
     DeepFM,
@@ -39,6 +40,7 @@ EXPECTED = {
     "dlrm": DLRM,
     "bst": BehaviorSequenceTransformer,
     "sasrec": SASRec,
+    "hstu": HSTU,
 }
 
 
@@ -53,6 +55,24 @@ def test_every_name_builds_its_model(name: str) -> None:
 
 
 CONFIG_CLASSES = typing.get_args(typing.get_args(ModelConfig)[0])
+
+
+def test_next_item_and_staged_models_are_declared_by_their_configs() -> None:
+    ranking = {c.model_fields["name"].default for c in CONFIG_CLASSES if c.ranks_items}
+    staged = {c.model_fields["name"].default for c in CONFIG_CLASSES if c.has_stages}
+    assert ranking == {"sasrec", "hstu"}
+    assert staged == {"bst", "sasrec", "hstu"}
+    for name in staged:
+        data: dict[str, object] = {"name": name, **({"target_feature_index": 0} if name == "bst" else {})}
+        model = build_model(parse_model_config(data), num_dense=0, num_sparse=2, embedding_dim=10)
+        assert callable(getattr(model, "stages", None))
+
+
+def test_hstu_defaults_are_the_references_ml1m_settings() -> None:
+    config = parse_model_config({"name": "hstu"})
+    assert (config.max_length, config.num_blocks, config.num_heads) == (200, 2, 1)  # type: ignore[union-attr]
+    assert (config.attention_dim, config.linear_dim, config.dropout) == (50, 50, 0.2)  # type: ignore[union-attr]
+    assert (config.temperature, config.loss) == (0.05, "sampled_softmax")  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("config_class", CONFIG_CLASSES, ids=lambda c: c.__name__)

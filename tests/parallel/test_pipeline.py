@@ -1,4 +1,4 @@
-"""Pipeline parallel SASRec/BST: the 2-stage pipeline gives the unsplit model's loss and gradients."""
+"""Pipeline parallel SASRec/BST/HSTU: the 2-stage pipeline gives the unsplit model's loss and gradients."""
 
 from __future__ import annotations
 
@@ -7,16 +7,31 @@ from typing import Any
 import pytest
 import torch
 
-from psrec.models import BehaviorSequenceTransformer, ModelInput, SASRec
+from psrec.models import HSTU, BehaviorSequenceTransformer, ModelInput, SASRec
 from psrec.parallel.launch import run_local_group
 from psrec.parallel.pipeline import PipelineLayout, PipelineStepper, model_parts, split_parts
 
 BATCH, LENGTH, DIM = 8, 6, 8
+NEXT_ITEM = ("sasrec", "hstu", "hstu_softmax")  # models whose loss ignores labels
 
 
 def make_sasrec() -> SASRec:
     torch.manual_seed(0)
     return SASRec(DIM, max_length=LENGTH, num_blocks=2, num_heads=2, dropout=0.0)
+
+
+def make_hstu(loss: str) -> HSTU:
+    torch.manual_seed(0)
+    return HSTU(
+        DIM,
+        max_length=LENGTH,
+        num_blocks=2,
+        num_heads=2,
+        attention_dim=3,
+        linear_dim=4,
+        dropout=0.0,
+        loss=loss,
+    )  # type: ignore[arg-type]
 
 
 def make_bst() -> BehaviorSequenceTransformer:
@@ -43,6 +58,23 @@ def make_input(kind: str, seed: int, batch: int = BATCH) -> tuple[ModelInput, to
         }
         inp = ModelInput(torch.zeros(batch, 0), torch.zeros(batch, 0, DIM), None, sequences, {"seq": mask})
         return inp, mask.float()
+    if kind.startswith("hstu"):  # the sampled softmax with timestamps (the time bias), or BCE without
+        sequences = {"seq": leaf(batch, LENGTH, DIM), "pos": leaf(batch, LENGTH, DIM)}
+        times = {}
+        if kind == "hstu_softmax":
+            sequences["negatives"] = leaf(batch, 5, DIM)
+            times["seq"] = torch.randint(0, 10**6, (batch, LENGTH + 1), generator=generator).cumsum(1)
+        else:
+            sequences["neg"] = leaf(batch, LENGTH, DIM)
+        inp = ModelInput(
+            torch.zeros(batch, 0),
+            torch.zeros(batch, 0, DIM),
+            None,
+            sequences,
+            {"seq": mask},
+            timestamps=times,
+        )
+        return inp, mask.float()
     inp = ModelInput(
         torch.randn(batch, 3, generator=generator),
         leaf(batch, 2, DIM),
@@ -54,6 +86,8 @@ def make_input(kind: str, seed: int, batch: int = BATCH) -> tuple[ModelInput, to
 
 
 def make_model(kind: str) -> torch.nn.Module:
+    if kind.startswith("hstu"):
+        return make_hstu("sampled_softmax" if kind == "hstu_softmax" else "bce")
     return make_sasrec() if kind == "sasrec" else make_bst()
 
 
@@ -70,7 +104,7 @@ def oracle(kind: str, seeds: list[int]) -> dict[str, Any]:
     losses, inputs = [], []
     for seed in seeds:
         inp, target = make_input(kind, seed)
-        loss, _ = model.loss(inp, None if kind == "sasrec" else target)
+        loss, _ = model.loss(inp, None if kind in NEXT_ITEM else target)
         (loss / len(seeds)).backward()
         losses.append(float(loss.detach()))
         inputs.append(input_grads(inp))
@@ -132,30 +166,34 @@ def test_layout_maps_ranks_to_replicas_and_stages() -> None:
         PipelineLayout(3, 2)
 
 
-@pytest.mark.parametrize("kind", ["sasrec", "bst"])
+@pytest.mark.parametrize("kind", ["sasrec", "bst", "hstu", "hstu_softmax"])
 def test_chained_parts_equal_the_forward(kind: str) -> None:
     model = make_model(kind)
     inp, _ = make_input(kind, 0)
     state: Any = inp
     for part in model_parts(model):
         state = part(state)
-    if kind == "sasrec":
+    if kind in NEXT_ITEM:
         torch.testing.assert_close(state["pos_logits"], model.run(inp)["pos_logits"])
     else:
         torch.testing.assert_close(state["logits"], model(inp))
 
 
-@pytest.mark.parametrize(("kind", "schedule"), [("sasrec", "gpipe"), ("sasrec", "1f1b"), ("bst", "1f1b")])
+@pytest.mark.parametrize(
+    ("kind", "schedule"),
+    [("sasrec", "gpipe"), ("sasrec", "1f1b"), ("bst", "1f1b"), ("hstu", "1f1b"), ("hstu_softmax", "gpipe")],
+)
 def test_two_stage_pipeline_equals_the_unsplit_model(kind: str, schedule: str) -> None:
     layout = PipelineLayout(2, 2)
     results = run_local_group(run_stage, world_size=2, args=(kind, 2, schedule))
     check(results, oracle(kind, [0]), layout)
 
 
-def test_two_replicas_of_two_stages_average_like_the_unsplit_model() -> None:
+@pytest.mark.parametrize("kind", ["sasrec", "hstu_softmax"])
+def test_two_replicas_of_two_stages_average_like_the_unsplit_model(kind: str) -> None:
     layout = PipelineLayout(4, 2)
-    results = run_local_group(run_stage, world_size=4, args=("sasrec", 2, "1f1b"))
-    check(results, oracle("sasrec", [0, 1]), layout)
+    results = run_local_group(run_stage, world_size=4, args=(kind, 2, "1f1b"))
+    check(results, oracle(kind, [0, 1]), layout)
 
 
 def test_microbatches_split_each_batch_evenly() -> None:

@@ -78,7 +78,7 @@ def test_pipeline_config_is_checked(
 def test_pipeline_needs_a_model_with_stages(tmp_path: Path) -> None:
     from tests.conftest import small_run_config
 
-    with pytest.raises(ConfigError, match=r"model with stages \(sasrec, bst\), got model.name 'dlrm'"):
+    with pytest.raises(ConfigError, match=r"model with stages \(sasrec, bst, hstu\), got model.name 'dlrm'"):
         small_run_config({"train": {"format": "parquet", "paths": ["x"]}}, tmp_path, **PIPELINE)
 
 
@@ -90,21 +90,39 @@ def test_pipeline_config_defaults_and_fingerprint(interactions: dict[str, Any], 
     assert config.fingerprint() != plain.fingerprint()  # the layout is part of the run
 
 
+# HSTU (2 blocks, jagged) with the sampled softmax over 5 negatives per user.
+HSTU = {
+    "model": {
+        "name": "hstu",
+        "max_length": 8,
+        "num_blocks": 2,
+        "num_heads": 1,
+        "attention_dim": 4,
+        "linear_dim": 4,
+        "dropout": 0.0,
+        "temperature": 0.5,
+    },
+    "data.schema": sasrec_schema(8, num_negatives=5).model_dump(),
+}
+
+
 @pytest.mark.ray
+@pytest.mark.parametrize("model", ["sasrec", "hstu"])
 def test_two_stage_pipeline_on_ray_equals_the_unsplit_model(
-    ray_cluster: None, interactions: dict[str, Any], tmp_path: Path
+    ray_cluster: None, interactions: dict[str, Any], tmp_path: Path, model: str
 ) -> None:
     """Trainer 0 runs the embedding and block 0, trainer 1 block 1 and the head (1F1B). The 36 training
     rows make batches of 10, 10, 10 (2 micro-batches of 5: the most up to 4 that split 10) and 6 (3
     of 2): after the epoch the dense model (on both trainers), the item table, the losses and scores
-    equal one unsplit in-process trainer's."""
+    equal one unsplit in-process trainer's. SASRec with BCE, HSTU with the sampled softmax."""
     from psrec.train.runtime import LocalRuntime, RayRuntime
 
     steps = 4
+    model_overrides = HSTU if model == "hstu" else {}
     config = sasrec_config(
         interactions,
         tmp_path,
-        **{**PIPELINE, **RUN, "ps.trainer_resources": {"num_cpus": 0.5}},
+        **{**PIPELINE, **RUN, **model_overrides, "ps.trainer_resources": {"num_cpus": 0.5}},
     )
     runtime = RayRuntime(config, base_dir=".", data_sources=interactions)
     try:
@@ -115,7 +133,7 @@ def test_two_stage_pipeline_on_ray_equals_the_unsplit_model(
     finally:
         runtime.shutdown()
 
-    oracle_config = sasrec_config(interactions, tmp_path, **RUN)
+    oracle_config = sasrec_config(interactions, tmp_path, **RUN, **model_overrides)
     oracle = LocalRuntime(oracle_config, base_dir=".", data_sources=interactions)
     oracle.start_epoch(0)
     (want,) = oracle.train_steps(steps + 1)

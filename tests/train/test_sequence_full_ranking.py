@@ -180,7 +180,7 @@ def test_full_ranking_and_its_metrics_are_refused_where_they_do_not_apply() -> N
         "model": {"name": "deepfm"},
         "training": {"full_ranking": True},
     }
-    with pytest.raises(ValueError, match="training.full_ranking ranks items for model sasrec"):
+    with pytest.raises(ValueError, match="training.full_ranking ranks items for sasrec and hstu"):
         parse_config(ctr)
     # Evaluation-only: a checkpoint written without it resumes with it.
     assert (
