@@ -175,6 +175,28 @@ def kafka_position(offsets: Mapping[TopicPartition, int]) -> dict[str, Any]:
     return {"version": POSITION_VERSION, "format": "kafka", "offsets": nested}
 
 
+def is_kafka_position(position: Any) -> bool:
+    """True for a Kafka reader's position (see the module docstring)."""
+    return isinstance(position, Mapping) and position.get("format") == "kafka"
+
+
+def merge_positions(positions: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One position holding every partition of `positions` (readers of disjoint partitions, e.g. the
+    trainers of a run): a reader opened with it for any share of those partitions starts where
+    their reader stood. Lets a stream run resume with another trainer count."""
+    offsets: dict[TopicPartition, int] = {}
+    for position in positions:
+        for tp, offset in position_offsets(position).items():
+            if tp in offsets and offsets[tp] != offset:
+                raise ValueError(f"two readers stood at offsets {offsets[tp]} and {offset} of {tp}")
+            offsets[tp] = offset
+    newest = max((int(position.get("newest_event_ms", -1)) for position in positions), default=-1)
+    merged = kafka_position(offsets)
+    if newest >= 0:
+        merged["newest_event_ms"] = newest
+    return merged
+
+
 def row_id_slot(topic_index: int, partition: int) -> int:
     """The high bits of the row ids of one partition (see the module docstring)."""
     if not 0 <= partition < 1 << PARTITION_BITS:

@@ -66,6 +66,11 @@ def failover_refusal(config: RunConfig) -> str | None:
         return "async trainers stand at different steps: no survivor holds the dead one's replica"
     if ps.num_trainers < 2:
         return "one trainer: no survivor holds the dense replica"
+    if config.training.mode == "continuous":
+        return (
+            "a continuous run's batches depend on when events arrived: a dead trainer's steps are not "
+            "repeated by count, the job rolls back to its checkpoint's stream offsets"
+        )
     return None
 
 
@@ -108,6 +113,7 @@ def merge_chunks(parts: list[ChunkResult], *, max_steps: int) -> ChunkResult:
         failed_units=[unit for part in parts for unit in part.failed_units],
         first_step_at=min(started) if started else None,
         state=last.state,
+        stream=last.stream,
     )
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 from psrec.cluster.groups import ActorGroup, RemoteCall, gather
 from psrec.config import RunConfig
+from psrec.data.kafka_source import is_kafka_position, merge_positions
 from psrec.data.shares import redistribute
 from psrec.elastic.runtime_api import RayActorsRuntime
 from psrec.elastic.shard_set import all_answered
@@ -136,6 +137,8 @@ def dealt_states(states: list[dict[str, Any]], count: int) -> list[dict[str, Any
         dealt: list[Any] = [None] * count
     elif any(position is None for position in positions):
         raise ValueError("some trainers have no reader position: their data cannot be dealt")
+    elif all(is_kafka_position(position) for position in positions):  # each reads its partitions' offsets
+        dealt = [merge_positions([p for p in positions if p is not None])] * count
     else:
         dealt = redistribute([position for position in positions if position is not None], count)
     return [

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -341,3 +342,53 @@ def test_continuous_mode_is_validated_naming_the_field(tmp_path: Path) -> None:
             parse_config(base, overrides=overrides)
         for word in words:
             assert word in str(caught.value), (overrides, str(caught.value))
+
+
+@pytest.mark.ray
+def test_a_stream_run_of_two_trainers_resumes_with_one_and_trains_every_event_once(
+    ray_cluster: None,
+    broker: Any,  # noqa: F811
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    """Two trainers read one partition each; stopped at a checkpoint, the run resumes with one
+    trainer, which reads both partitions from the offsets the two had reached."""
+    from psrec.train.runtime import RayRuntime
+
+    topic = f"two-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, partitions=2)
+    broker.produce(topic, [(index % 2, line.encode()) for index, line in enumerate(criteo_lines)])
+    train = {
+        "format": "kafka",
+        "bootstrap_servers": broker.bootstrap_servers,
+        "topics": [topic],
+        "message_format": "tsv",
+        "client": {"fetch.wait.max.ms": 20},
+        "poll_timeout_s": 0.1,
+    }
+    sources = {"train": train, "validation": synthetic_sources["validation"]}
+    two = small_run_config(
+        sources,
+        tmp_path,
+        **(CONTINUOUS | {"ps.runtime": "ray", "ps.num_trainers": 2, "training.max_steps": 3}),
+    )
+    runtime = RayRuntime(two, base_dir=".", data_sources=sources)
+    try:
+        first = train_run(two, runtime=runtime)
+    finally:
+        runtime.shutdown()
+    assert first["steps"] == 3
+    # each trainer stood in its own partition, after the rows it trained (a trainer whose stream was
+    # slower to start ran empty steps meanwhile: its share may be smaller)
+    (zero,), (one,) = [position["offsets"][topic].items() for position in first["stream"]["positions"]]
+    assert zero[0] == "0" and one[0] == "1"
+    assert zero[1] + one[1] == first["rows_consumed"] == first["rows_consumed_unique"] >= 3 * 256
+    (tmp_path / "summary.json").unlink()
+
+    resumed = _run(train, synthetic_sources["validation"], tmp_path)  # one in-process trainer
+    summary = resumed.summary
+    assert summary["resumed_from"]["step"] == 3
+    assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
+    (position,) = summary["stream"]["positions"]
+    assert position["offsets"] == {topic: {"0": ROWS // 2, "1": ROWS // 2}}
