@@ -20,7 +20,8 @@ directory whose name starts with one of `ignore_prefixes` (".", "_": hidden file
 (``dt=2026-12-07/part-0001.parquet``). Format options and `on_error` apply as for finished files:
 the text formats read local files, Parquet also a store; a bad row or file is skipped and counted
 (`on_error: skip`, the stream goes on) or raises naming the file and line. Files are expected to be
-immutable once settled: one rewritten after it was read is not read again.
+immutable once settled: one rewritten after it was read is not read again. A listing that fails
+after the first is logged and tried again at the next poll.
 
 Dealing and order. A file belongs to shard ``crc32(name) % num_shards`` (`shard_of`): the shares are
 disjoint, cover every file and do not depend on when files arrive. Each shard reads its files in
@@ -177,7 +178,7 @@ class _Pattern:
             if not self.parts:
                 info = fs.get_file_info(root)
                 if info.type == pafs.FileType.File:  # the pattern names one file
-                    return [self._listed(index, info.base_name, info, self.prefix)]
+                    return [self._listed(index, info.base_name, info)]
             selector = pafs.FileSelector(root, allow_not_found=True, recursive=True)
             infos = fs.get_file_info(selector)
         except (OSError, pa.ArrowException) as error:
@@ -190,18 +191,18 @@ class _Pattern:
                 continue
             if self.parts and not matches(segments, self.parts):
                 continue
-            found.append(self._listed(index, name, info, f"{self.prefix}/{name}"))
+            found.append(self._listed(index, name, info))
         return found
 
     def locate(self, name: str) -> Location:
-        """Where the file `name` of this pattern is."""
-        names_file = not self.parts and self.prefix.rsplit("/", 1)[-1] == name  # the pattern is the file
+        """Where the file `name` of this pattern is (the pattern itself when it names one file)."""
+        names_file = not self.parts and self.prefix.rsplit("/", 1)[-1] == name
         where = self.prefix if names_file else f"{self.prefix}/{name}"
         return StoragePath(where) if is_uri(where) else Path(where)
 
-    def _listed(self, index: int, name: str, info: pafs.FileInfo, where: str) -> ListedFile:
-        path: Location = StoragePath(where) if is_uri(where) else Path(where)
-        return ListedFile(name, index, path, int(info.size or 0), int(info.mtime_ns or 0) // 1_000_000)
+    def _listed(self, index: int, name: str, info: pafs.FileInfo) -> ListedFile:
+        mtime_ms = int(info.mtime_ns or 0) // 1_000_000
+        return ListedFile(name, index, self.locate(name), int(info.size or 0), mtime_ms)
 
 
 class _Piece(NamedTuple):
@@ -239,6 +240,7 @@ class _Follower:
         }
         self.watermark: tuple[Any, ...] | None = None
         self.recent: dict[Identity, int] = {}  # files read within the lateness window -> mtime ms
+        self._recent_sorted: list[list[Any]] | None = None
         self.newest_ms: int | None = None
         self.file_number = 0
         self.read: set[Identity] = set()  # every file read (or taken as read) by this reader
@@ -248,7 +250,6 @@ class _Follower:
         self.last_activity = time.monotonic()
         self.next_listing = 0.0
 
-    # -- listing ---------------------------------------------------------------------------------
     def _list(self) -> list[ListedFile]:
         ignore = tuple(self.growing.ignore_prefixes)
         files: dict[str, ListedFile] = {}
@@ -259,6 +260,7 @@ class _Follower:
         return list(files.values())
 
     def _refresh(self, listing: list[ListedFile] | None = None) -> None:
+        self.next_listing = time.monotonic() + self.growing.poll_seconds
         if listing is None:
             try:
                 listing = self._list()
@@ -275,7 +277,6 @@ class _Follower:
                 self.last_activity = now
         self.changes = {identity: self.changes[identity] for identity in self.pending}
         self.info["files_pending"] = len(self.pending)
-        self.next_listing = now + self.growing.poll_seconds
 
     def start(self, position: dict[str, Any] | None) -> dict[str, Any]:
         """List the files, restore `position` (see the module docstring); returns the position."""
@@ -301,11 +302,9 @@ class _Follower:
                 elif found.identity in self.recent or (old and found.mtime_ms < horizon):
                     self.read.add(found.identity)
             if current is not None and self.resume is None:  # gone: reading it raises or is counted
-                name, pattern, mtime_ms = current["file"]
-                missing = ListedFile(
-                    name, int(pattern), self.patterns[int(pattern)].locate(name), 0, mtime_ms
-                )
-                self.resume = (missing, int(current["unit"]), current["after"])
+                name, index, mtime_ms = current["file"]
+                gone = ListedFile(name, index, self.patterns[index].locate(name), 0, mtime_ms)
+                self.resume = (gone, int(current["unit"]), current["after"])
             if self.resume is not None:
                 self.read.add(self.resume[0].identity)
         self._refresh(listing)
@@ -314,17 +313,21 @@ class _Follower:
         found, unit, after = self.resume
         return self.position({"file": found.reference(), "unit": unit, "after": after}, found.mtime_ms)
 
-    # -- the position ----------------------------------------------------------------------------
     def position(self, current: dict[str, Any] | None, newest_ms: int | None = None) -> dict[str, Any]:
         newest = max((ms for ms in (self.newest_ms, newest_ms) if ms is not None), default=None)
         return {
             **self.identity,
             "watermark": list(self.watermark) if self.watermark is not None else None,
-            "recent": sorted([name, pattern, ms] for (name, pattern), ms in self.recent.items()),
+            "recent": self._recent_list(),
             "current": current,
             "file_number": self.file_number,
             "newest_event_ms": newest,
         }
+
+    def _recent_list(self) -> list[list[Any]]:
+        if self._recent_sorted is None:  # sorted once per file read, not per batch
+            self._recent_sorted = sorted([name, pattern, ms] for (name, pattern), ms in self.recent.items())
+        return [list(entry) for entry in self._recent_sorted]
 
     def _position_in(self, found: ListedFile, unit: int, table: pa.Table, rows: int) -> dict[str, Any]:
         after = int(table.column(ROW_ID)[rows - 1].as_py()) & OFFSET_MASK
@@ -338,10 +341,10 @@ class _Follower:
         horizon = self.newest_ms - self.growing.lateness_seconds * 1000
         self.recent[found.identity] = found.mtime_ms
         self.recent = {identity: ms for identity, ms in self.recent.items() if ms >= horizon}
+        self._recent_sorted = None
         self.file_number += 1
         self.info["files_read"] += 1
 
-    # -- reading ---------------------------------------------------------------------------------
     def _next_file(self) -> ListedFile | None:
         if not self.pending:
             return None
