@@ -1,4 +1,4 @@
-"""The `psrec` command line: `psrec train|data|plan|scale|bench|export|serve ...`.
+"""The `psrec` command line: `psrec train|data|plan|scale|bench|export|serve|stream ...`.
 
 This is the only place that parses arguments, sets up logging and prints for the user; each
 subcommand lives in the `cli` module of the package it drives and registers itself here.
@@ -28,6 +28,7 @@ COMMAND_MODULES = {
     "bench": "psrec.bench.cli",
     "export": "psrec.serve.cli",
     "serve": "psrec.serve.cli",
+    "stream": "psrec.bench.stream_loop",
 }
 
 

@@ -69,6 +69,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ _ITEM_FACTOR, _USER_FACTOR = 20, 30  # + factor dimension
 _PARTITION = 40
 
 CHUNK_EVENTS = 4096  # events generated at a time while producing
+SEND_TICK_S = 0.005  # the producer sends what is due every 5 ms at most (steady, not spinning)
 METADATA_TIMEOUT_S = 10.0
 FLUSH_TIMEOUT_S = 30.0
 _MASK64 = (1 << 64) - 1
@@ -438,9 +440,10 @@ def produce_stream(
     start_ms: int | None = None,
     client: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> ProduceSummary:
     """Produce events [0, events) of `stream` into `topic` at `rate_per_second`; see the module
-    docstring.
+    docstring. With `stop`, producing ends early once it is set (the summary counts what was sent).
 
     Event i is sent when `i / rate_per_second` seconds have passed since the start (scheduled, not in
     bursts; a producer that falls behind sends what is due at once), timestamped with its event time
@@ -484,7 +487,8 @@ def produce_stream(
         while done < len(values):
             due = min(events, math.floor((time.monotonic() - began) * rate_per_second) + 1)
             if due <= sent:  # wait for the next event's send time, serving deliveries meanwhile
-                producer.poll(max(0.0, began + sent / rate_per_second - time.monotonic()))
+                # at least a tick: shorter waits return at once and spin a core
+                producer.poll(max(SEND_TICK_S, began + sent / rate_per_second - time.monotonic()))
                 continue
             for index in range(done, min(len(values), done + due - sent)):
                 partition = int(where[index])
@@ -507,11 +511,11 @@ def produce_stream(
                 sent += 1
                 done += 1
             producer.poll(0)
-            if failures:
+            if failures or (stop is not None and stop.is_set()):
                 break
             if progress is not None:
                 progress(sent)
-        if failures:
+        if failures or (stop is not None and stop.is_set()):
             break
     left = producer.flush(FLUSH_TIMEOUT_S)
     seconds = time.monotonic() - began
@@ -520,7 +524,7 @@ def produce_stream(
             f"{len(failures) + left} of {sent} message(s) not delivered to {topic}: {failures[:5]}"
             + (f"; {left} unacknowledged after {FLUSH_TIMEOUT_S} s" if left else "")
         )
-    last_ms = first_ms + int(stream.event_offsets_ms(max(events - 1, 0), max(events, 1))[0])
+    last_ms = first_ms + int(stream.event_offsets_ms(max(sent - 1, 0), max(sent, 1))[0])
     logger.info("produced %d events to %s in %.2f s", sent, topic, seconds)
     return ProduceSummary(
         topic=topic,

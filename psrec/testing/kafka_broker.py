@@ -168,13 +168,23 @@ class KafkaBroker:
     broker only: the data, the port and the bootstrap address stay the same.
     """
 
-    def __init__(self, root: Path, *, s3_endpoint: str | None = None, cluster_id: str = "psrec-test") -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        s3_endpoint: str | None = None,
+        cluster_id: str = "psrec-test",
+        in_memory: bool = False,
+    ) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.cluster_id = cluster_id
         self.port = free_port()
         self.bucket = f"tansu-{uuid.uuid4().hex[:12]}"
-        self._own_s3 = S3Process(self.root / "s3") if s3_endpoint is None else None
+        # in_memory: the broker keeps its data in its own memory (lost when it stops; no S3 server,
+        # whose Python process would otherwise take a core of a small machine under a live stream)
+        self.in_memory = in_memory
+        self._own_s3 = S3Process(self.root / "s3") if s3_endpoint is None and not in_memory else None
         self._s3_endpoint = s3_endpoint
         self._process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -212,9 +222,13 @@ class KafkaBroker:
         """Start the broker (on the same port and data as before) and wait until it answers."""
         if self.pid is not None:
             raise RuntimeError(f"the broker already runs (pid {self.pid})")
-        endpoint = self._s3()
         url = f"tcp://{LOOPBACK}:{self.port}"  # Tansu listens on 0.0.0.0 unless told
-        environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true"}
+        if self.in_memory:
+            storage, environment = "memory://tansu/", dict(os.environ)
+        else:
+            endpoint = self._s3()
+            storage = f"s3://{self.bucket}/"
+            environment = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true"}
         if self._log is None:
             self._log = open(self.root / "tansu.log", "ab")  # noqa: SIM115 - closed by close()
         began = time.monotonic()
@@ -227,7 +241,7 @@ class KafkaBroker:
                 "--advertised-listener-url",
                 url,
                 "--storage-engine",
-                f"s3://{self.bucket}/",
+                storage,
                 "--cluster-id",
                 self.cluster_id,
                 "--silent",
