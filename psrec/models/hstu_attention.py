@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as functional
 from torch import nn
 
-from psrec.models.jagged import JaggedLayout, from_group, to_group
+from psrec.models.jagged import JaggedLayout, from_group, split_groups, to_group
 
 TIME_BUCKET_WIDTH = 0.301  # the reference's log-time bucket width (natural log units)
 
@@ -58,6 +58,17 @@ class RelativeAttentionBias(nn.Module):
         (they are masked out: attention is causal)."""
         return self.position_weights[distance.clamp(0, self.max_length - 1)]
 
+    def position_matrix(self, width: int) -> torch.Tensor:
+        """(W, W) bias of query i and key j: rab_p(i - j) on and below the diagonal, 0 above it.
+
+        Built as a Hankel matrix of the weights (`unfold`) and flipped, not by indexing: the gradient
+        of an index with repeated entries is an accumulation, which was slow here."""
+        weights = self.position_weights[: min(width, self.max_length)]
+        if width > self.max_length:  # distances beyond max_length read the last weight
+            weights = torch.cat([weights, weights[-1:].expand(width - self.max_length)])
+        line = torch.cat([weights.flip(0), weights.new_zeros(width - 1)])  # (2W - 1,): w[W-1] .. w[0], 0..
+        return line.unfold(0, width, 1).flip(0)  # [i, j] = line[W - 1 - i + j] = w[i - j], 0 for j > i
+
     def time(self, query_times: torch.Tensor, key_times: torch.Tensor) -> torch.Tensor:
         """(G, Lq) and (G, Lk) int64 times -> (G, Lq, Lk) bias of the bucketed gaps."""
         gaps = query_times.unsqueeze(-1) - key_times.unsqueeze(-2)  # (G, Lq, Lk)
@@ -81,20 +92,29 @@ def jagged_attention(
     (T,) int64 are given.
     """
     outputs = []
-    for group in layout.groups:
+    chunks = zip(
+        layout.groups,
+        split_groups(q, layout),
+        split_groups(k, layout),
+        split_groups(v, layout),
+        split_groups(query_times, layout) if query_times is not None else [None] * len(layout.groups),
+        split_groups(key_times, layout) if key_times is not None else [None] * len(layout.groups),
+        strict=True,
+    )
+    for group, group_q, group_k, group_v, group_query_times, group_key_times in chunks:
         width = group.width
-        queries = to_group(q, group).transpose(1, 2)  # (G, H, W, dqk)
-        keys = to_group(k, group).transpose(1, 2)  # (G, H, W, dqk)
-        values = to_group(v, group).transpose(1, 2)  # (G, H, W, dv)
+        queries = to_group(group_q, group).transpose(1, 2)  # (G, H, W, dqk)
+        keys = to_group(group_k, group).transpose(1, 2)  # (G, H, W, dqk)
+        values = to_group(group_v, group).transpose(1, 2)  # (G, H, W, dv)
         scores = torch.matmul(queries, keys.transpose(-1, -2))  # (G, H, W, W)
-        index = torch.arange(width, device=q.device)
-        distance = index.unsqueeze(1) - index.unsqueeze(0)  # (W, W): i - j
         if bias is not None:
-            relative = bias.position(distance).unsqueeze(0)  # (1, W, W)
-            if query_times is not None and key_times is not None:
-                relative = relative + bias.time(to_group(query_times, group), to_group(key_times, group))
+            relative = bias.position_matrix(width).unsqueeze(0)  # (1, W, W)
+            if group_query_times is not None and group_key_times is not None:
+                relative = relative + bias.time(
+                    to_group(group_query_times, group), to_group(group_key_times, group)
+                )
             scores = scores + relative.unsqueeze(1).to(scores.dtype)  # (G or 1, 1, W, W)
-        causal = (distance >= 0).to(scores.dtype) * scale  # (W, W)
+        causal = torch.ones(width, width, dtype=scores.dtype, device=q.device).tril_().mul_(scale)  # (W, W)
         attended = torch.matmul(functional.silu(scores) * causal, values)  # (G, H, W, dv)
         outputs.append(from_group(attended.transpose(1, 2), group))  # (tokens, H, dv)
     if not outputs:

@@ -25,19 +25,23 @@ Worked example, L = 4, mask rows [0,1,1,1], [0,0,0,1], [0,0,1,1] (lengths 3, 1, 
     positions    = [0, 1, 2, 0, 1, 0]           each token's index within its own sequence
 
 ``pack`` gathers ``padded.flatten(0, 1)[padded_index]``; ``unpack`` puts the T rows back (zeros at
-padding). Both are differentiable.
+padding); `to_group` / `from_group` do the same between a group's tokens and its padded block. Each
+index hits a row at most once, so every backward is a gather or a copy, never an accumulation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-# A group costs its padded query-key pairs plus this many pairs' worth of fixed cost (kernel launches);
-# measured on the CPUs here as about the cost of a 128 x 128 attention (see psrec/models/hstu.py).
+# A group costs its padded query-key pairs plus this many pairs' worth of fixed cost (its kernel
+# launches). On ML-1M batches (128 users, lengths up to 200, 2 CPU cores) values from 8,192 to 32,768
+# gave the fastest HSTU steps; 2,048 (many small groups) and one group (padding to the longest) were
+# slower by 15-100%.
 GROUP_OVERHEAD = 128 * 128
 
 
@@ -45,16 +49,14 @@ GROUP_OVERHEAD = 128 * 128
 class LengthGroup:
     """A contiguous run of packed sequences padded to its longest: ``count`` x ``width``.
 
-    ``gather`` (count * width,) indexes the packed tokens with T (one past the end) for padding: the
-    caller appends a zero row. ``real`` (tokens,) are the flat padded slots of the real tokens, in
-    packed order, so ``padded.flatten(0, 1)[real]`` are tokens ``start .. start + tokens`` again.
+    ``real`` (tokens,) are the flat padded slots of the group's real tokens, in packed order: token
+    ``start + t`` sits at ``padded.flatten(0, 1)[real[t]]``.
     """
 
     start: int  # first packed token of the group
     tokens: int  # real tokens in the group
     count: int  # sequences
     width: int  # the group's longest length
-    gather: torch.Tensor  # (count * width,) int64
     real: torch.Tensor  # (tokens,) int64
     lengths: torch.Tensor  # (count,) int64
 
@@ -99,7 +101,7 @@ class JaggedLayout:
             return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
         groups = tuple(
-            _group(offsets_host, sorted_lengths, start, stop, total, tensor)
+            _group(offsets_host, sorted_lengths, start, stop, tensor)
             for start, stop in partition_by_length(sorted_lengths, group_overhead=group_overhead)
         )
         return cls(
@@ -119,7 +121,6 @@ def _group(
     lengths: np.ndarray,
     start: int,
     stop: int,
-    total: int,
     tensor: Callable[[np.ndarray], torch.Tensor],
 ) -> LengthGroup:
     """The `LengthGroup` of sorted sequences [start, stop)."""
@@ -127,14 +128,12 @@ def _group(
     width = int(group_lengths[0])
     columns = np.arange(width)[None, :]  # (1, W)
     valid = columns < group_lengths[:, None]  # (count, W)
-    gather = np.where(valid, offsets[start:stop, None] + columns, total).reshape(-1)
     real = np.flatnonzero(valid.reshape(-1))
     return LengthGroup(
         start=int(offsets[start]),
         tokens=int(offsets[stop] - offsets[start]),
         count=stop - start,
         width=width,
-        gather=tensor(gather),
         real=tensor(real),
         lengths=tensor(group_lengths),
     )
@@ -168,24 +167,64 @@ def partition_by_length(
     return runs[::-1]
 
 
+class _Gather(torch.autograd.Function):
+    """``source.flatten(0, 1)[index]`` for an index that hits each source row at most once.
+
+    Its gradient is a plain copy back (`index_copy` into zeros), not autograd's `index_add`, whose
+    accumulation was the single largest cost of an HSTU step here (each row is hit once: nothing to add).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        flat = source.flatten(0, 1)
+        ctx.save_for_backward(index)
+        ctx.source_shape = source.shape
+        return flat.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        shape = ctx.source_shape
+        flat = grad.new_zeros((shape[0] * shape[1], *shape[2:]))
+        return flat.index_copy_(0, index, grad).view(shape), None
+
+
+class _Scatter(torch.autograd.Function):
+    """Rows of `values` copied to slots `index` of a zero (rows, ...) tensor; the gradient is a gather."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        return values.new_zeros((rows, *values.shape[1:])).index_copy_(0, index, values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def pack(padded: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
     """(B, L, ...) -> (T, ...): the real tokens, in the layout's packed order."""
-    return padded.flatten(0, 1).index_select(0, layout.padded_index)
+    return _Gather.apply(padded, layout.padded_index)
 
 
 def unpack(values: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
     """(T, ...) -> (B, L, ...) with zeros at padding; the inverse of `pack` on real positions."""
-    rest = values.shape[1:]
-    flat = values.new_zeros((layout.batch_size * layout.max_length, *rest))
-    return flat.index_copy(0, layout.padded_index, values).view(layout.batch_size, layout.max_length, *rest)
+    flat = _Scatter.apply(values, layout.padded_index, layout.batch_size * layout.max_length)
+    return flat.view(layout.batch_size, layout.max_length, *values.shape[1:])
 
 
-def to_group(values: torch.Tensor, group: LengthGroup) -> torch.Tensor:
-    """Packed (T, ...) -> the group's padded (count, width, ...), zeros at padding."""
-    padded = torch.cat([values, values.new_zeros((1, *values.shape[1:]))])  # row T: padding
-    return padded.index_select(0, group.gather).view(group.count, group.width, *values.shape[1:])
+def split_groups(values: torch.Tensor, layout: JaggedLayout) -> tuple[torch.Tensor, ...]:
+    """Packed (T, ...) -> each `LengthGroup`'s tokens (tokens_g, ...), views in group order."""
+    return values.split([group.tokens for group in layout.groups])
+
+
+def to_group(tokens: torch.Tensor, group: LengthGroup) -> torch.Tensor:
+    """A group's tokens (tokens, ...) -> its padded (count, width, ...), zeros at padding."""
+    padded = _Scatter.apply(tokens, group.real, group.count * group.width)
+    return padded.view(group.count, group.width, *tokens.shape[1:])
 
 
 def from_group(padded: torch.Tensor, group: LengthGroup) -> torch.Tensor:
-    """The group's padded (count, width, ...) -> its real tokens (tokens, ...), in packed order."""
-    return padded.flatten(0, 1).index_select(0, group.real)
+    """A group's padded (count, width, ...) -> its real tokens (tokens, ...), in packed order."""
+    return _Gather.apply(padded, group.real)

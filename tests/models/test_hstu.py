@@ -17,7 +17,15 @@ from torch import nn
 from psrec.models.base import ModelInput
 from psrec.models.hstu import HSTU
 from psrec.models.hstu_attention import RelativeAttentionBias, dense_attention, jagged_attention, time_buckets
-from psrec.models.jagged import JaggedLayout, pack, partition_by_length, unpack
+from psrec.models.jagged import (
+    JaggedLayout,
+    from_group,
+    pack,
+    partition_by_length,
+    split_groups,
+    to_group,
+    unpack,
+)
 from psrec.trainer.metrics import hit_rate, sampled_ranks
 
 BATCH, LENGTH, DIM, NUM_ITEMS = 9, 12, 8, 40
@@ -98,6 +106,34 @@ def test_position_bias_matches_the_references_toeplitz_weights() -> None:
     ours = bias.position(index.unsqueeze(1) - index.unsqueeze(0))
     causal = index.unsqueeze(1) >= index.unsqueeze(0)
     torch.testing.assert_close(ours[causal], reference_bias[causal])
+
+
+@pytest.mark.parametrize("width", [1, 5, 7, 10])
+def test_position_matrix_equals_the_distance_lookup(width: int) -> None:
+    """The Hankel construction of rab_p equals indexing the weights by i - j (0 above the diagonal)."""
+    bias = RelativeAttentionBias(7)
+    index = torch.arange(width)
+    distance = index.unsqueeze(1) - index.unsqueeze(0)
+    want = bias.position(distance) * (distance >= 0)
+    torch.testing.assert_close(bias.position_matrix(width), want, rtol=0, atol=0)
+
+
+def test_pack_and_group_gradients_are_exact() -> None:
+    """The hand-written backward passes of pack / unpack / to_group / from_group (gradcheck, float64)."""
+    mask = left_padded_mask([3, 1, 4, 2, 4], 4)
+    layout = JaggedLayout.from_mask(mask, group_overhead=1)
+    padded = torch.randn(5, 4, 2, dtype=torch.float64, requires_grad=True)
+
+    def round_trip(x: torch.Tensor) -> torch.Tensor:
+        chunks = split_groups(pack(x, layout) * 2.0, layout)
+        blocks = [to_group(chunk, group) ** 2 for chunk, group in zip(chunks, layout.groups, strict=True)]
+        tokens = torch.cat(
+            [from_group(block, group) for block, group in zip(blocks, layout.groups, strict=True)]
+        )
+        return unpack(tokens, layout)
+
+    assert len(layout.groups) > 1
+    assert torch.autograd.gradcheck(round_trip, (padded,))
 
 
 def attention_inputs(seed: int, heads: int = 2, dqk: int = 3, dv: int = 4, times: bool = True):
