@@ -263,6 +263,8 @@ class Driver:
         self.resumed_from: dict[str, Any] | None = None
         self.machines: dict[str, Any] = {}  # the trainers' machines and dense precision (_ask_machines)
         self.scaling = ScaleController(self.run_dir, config, runtime)  # `psrec scale`, between steps
+        self.eviction_every = _eviction_period(config)  # steps between evictions (None: no table evicts)
+        self.evicted: dict[str, int] = {}
 
     # -- the run -------------------------------------------------------------------------------
     def run(self, *, resume: bool) -> dict[str, Any]:
@@ -368,15 +370,16 @@ class Driver:
             self._checkpoint()
 
     def _checkpoint_due(self) -> bool:
-        """A checkpoint is due: every `checkpoint.every_steps` steps, or `every_seconds` after the
-        last one when steps were trained since."""
+        """A checkpoint is due: steps were trained since the last one, and the step is a multiple of
+        `checkpoint.every_steps` or `every_seconds` passed since the last one."""
         settings = self.config.checkpoint
+        if self.last_checkpoint is not None and self.last_checkpoint.step == self.state.step:
+            return False  # nothing new (a quiet stream's chunk)
         if self._due(settings.every_steps):
             return True
         return (
             settings.every_seconds is not None
             and time.monotonic() - self.last_checkpoint_at >= settings.every_seconds
-            and (self.last_checkpoint is None or self.last_checkpoint.step != self.state.step)
         )
 
     def _chunk_size(self) -> int:
@@ -384,7 +387,7 @@ class Driver:
         chunk = training.log_every_steps
         if training.max_steps is not None:
             chunk = min(chunk, training.max_steps - self.state.step)
-        for every in (training.eval_every_steps, self.config.checkpoint.every_steps):
+        for every in (training.eval_every_steps, self.config.checkpoint.every_steps, self.eviction_every):
             if every is not None:
                 chunk = min(chunk, every - self.state.step % every)
         return chunk
@@ -456,8 +459,16 @@ class Driver:
                 }
             )
 
+    def _evict_if_due(self) -> None:
+        """At every multiple of the eviction period (chunks end there): the tables' TTL and size
+        limits applied; the rows removed reach serving as the next delta's tombstones."""
+        if self.eviction_every is not None and self._due(self.eviction_every) and self.state.step > 0:
+            for table, count in self.runtime.evict(self.state.step).items():
+                self.evicted[table] = self.evicted.get(table, 0) + count
+
     def _absorb(self, results: list[ChunkResult]) -> None:
         state = self.state
+        stepped = results[0].steps > 0
         state.step += results[0].steps
         if self.first_step_at is None:
             ended = [r.first_step_at for r in results if r.first_step_at is not None]
@@ -479,6 +490,8 @@ class Driver:
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds / len(results)
         state.consumed.append((state.step, np.concatenate(row_ids)))
         self.positions = [r.state.get("position") if r.state else None for r in results]
+        if stepped:
+            self._evict_if_due()
 
     # -- evaluation and early stopping ------------------------------------------------------------
     def _evaluated_now(self) -> dict[str, Any] | None:
@@ -698,6 +711,7 @@ class Driver:
             "resharding": self.scaling.report(),
             "resumed_from": self.resumed_from,
             "tables": self.runtime.table_stats(),
+            "rows_evicted": self.evicted,
             "placement": self.runtime.placement,
             **summarize_trainers(self.runtime.machine_reports()),
         }
@@ -711,6 +725,16 @@ class Driver:
             if split in self.sources and split not in summary:
                 summary[split] = evaluation_metrics(self.runtime.evaluate(split))
         return summary
+
+
+def _eviction_period(config: RunConfig) -> int | None:
+    """Steps between evictions: the shortest `eviction.every_steps` of the tables that evict."""
+    periods = []
+    for table in config.table_names():
+        eviction = config.table_config(table).eviction
+        if eviction.ttl_steps is not None or eviction.max_rows is not None:
+            periods.append(eviction.every_steps)
+    return min(periods) if periods else None
 
 
 def _normalized_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:

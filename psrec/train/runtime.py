@@ -64,6 +64,8 @@ class Runtime(ElasticRuntime, Protocol):
 
     def table_stats(self) -> dict[str, dict[str, float]]: ...
 
+    def evict(self, step: int) -> dict[str, int]: ...
+
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
 
     def dense_states(self) -> list[dict[str, Any]]: ...
@@ -169,6 +171,14 @@ class RuntimeBase:
 
     def table_stats(self) -> dict[str, dict[str, float]]:
         return _sum_stats(self.partitions.call(ParameterShard.stats))
+
+    def evict(self, step: int) -> dict[str, int]:
+        """Evict rows as each table's eviction settings say, at `step`; rows evicted per table."""
+        evicted: dict[str, int] = {}
+        for counts in self.partitions.call(ParameterShard.evict, step):
+            for table, count in counts.items():
+                evicted[table] = evicted.get(table, 0) + int(count)
+        return evicted
 
     def table_rows(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         return _merge_rows(self.partitions.call(ParameterShard.table_rows))

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
@@ -392,3 +393,94 @@ def test_a_stream_run_of_two_trainers_resumes_with_one_and_trains_every_event_on
     assert summary["rows_consumed"] == summary["rows_consumed_unique"] == ROWS
     (position,) = summary["stream"]["positions"]
     assert position["offsets"] == {topic: {"0": ROWS // 2, "1": ROWS // 2}}
+
+
+def test_tables_of_a_drifting_stream_stay_bounded_in_training_and_in_serving(
+    broker: Any,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Items live 20 s of event time over 240 s of stream: with a time-to-live the trainer's item
+    table holds only the items of the last steps, and each delta's tombstones take the evicted ones
+    out of a following serving replica: both stay within the oracle's bound (the distinct items of the
+    events of the last ttl + every steps, counted in NumPy), far below the items the stream had, and
+    the replica ends with exactly the trainer's ids."""
+    from psrec.data.stream_synth import DriftingCtrStream, drifting_ctr_schema, encode_messages
+    from psrec.serve.export import export_run
+    from psrec.serve.follow import DeltaFollower
+    from psrec.serve.scoring import ServingModel
+
+    batch, ttl, every, events = 256, 6, 3, 12_288
+    stream = DriftingCtrStream(3, events_per_second=50, items_per_second=2.0, item_lifetime_s=20.0)
+    rows = stream.table(0, events)
+    topic = f"drift-{uuid.uuid4().hex[:8]}"
+    broker.create_topic(topic, partitions=1)
+    broker.produce(topic, [(0, message) for message in encode_messages(rows, "tsv")])
+    config = parse_config(
+        {
+            "run_dir": str(tmp_path / "run"),
+            "data": {
+                "schema": drifting_ctr_schema().model_dump(),
+                "train": {
+                    "format": "kafka",
+                    "bootstrap_servers": broker.bootstrap_servers,
+                    "topics": [topic],
+                    "message_format": "tsv",
+                    "client": {"fetch.wait.max.ms": 20},
+                    "poll_timeout_s": 0.1,
+                },
+            },
+            "model": {"name": "dlrm", "bottom_hidden_sizes": [8], "top_hidden_sizes": [8]},
+            "embedding": {"default": {"dim": 4, "eviction": {"ttl_steps": ttl, "every_steps": every}}},
+            "training": {"batch_size": batch, "log_every_steps": every} | _nested(CONTINUOUS, "training."),
+            "checkpoint": {"every_steps": every, "full_every": 1000, "keep_last": 2},
+            "ps": {"runtime": "local", "num_shards": 2},
+        }
+    )
+    runtime = LocalRuntime(config, base_dir=".", data_sources={"train": config.data.train.model_dump()})
+    served: list[int] = []
+    trained: list[int] = []
+    follower: list[DeltaFollower] = []
+
+    def follow(report: dict[str, Any]) -> None:
+        if not follower:
+            export_run(
+                config.run_dir, tmp_path / "model", checkpoint=list_checkpoints(config.run_dir)[0].name
+            )
+            follower.append(DeltaFollower(ServingModel.load(tmp_path / "model"), config.run_dir))
+        while follower[0].poll() is not None:
+            pass
+        served.append(follower[0].model.version.tables["item"].num_rows)
+        trained.append(int(runtime.table_stats()["item"]["rows"]))
+
+    try:
+        summary = train_run(config, runtime=runtime, progress=follow)
+        while follower[0].poll() is not None:  # the last checkpoint
+            pass
+        final_ids = runtime.table_rows()["item"][0]
+    finally:
+        runtime.shutdown()
+    items = rows.column("item").to_numpy()
+    window = (ttl + 2 * every) * batch  # a row stays at most ttl steps unused, plus one eviction period
+    bound = max(np.unique(items[start : start + window]).size for start in range(0, events, batch))
+    everything = np.unique(items).size
+    assert summary["rows_consumed"] == events
+    steps = [c["step"] for c in summary["checkpoints"]]
+    assert len(steps) == len(set(steps)), steps  # quiet chunks at the end wrote nothing again
+    assert summary["rows_evicted"]["item"] > 0
+    assert bound < everything / 3, (bound, everything)  # the ids moved on: a bound is a real claim
+    assert 0 < max(trained) <= bound and 0 < max(served) <= bound, (max(trained), max(served), bound)
+    serving_ids = follower[0].model.version.tables["item"].ids
+    np.testing.assert_array_equal(np.sort(serving_ids), np.sort(final_ids))
+
+
+def _nested(settings: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """{"training.stream.x": v} -> {"stream": {"x": v}} for the keys under `prefix`."""
+    nested: dict[str, Any] = {}
+    for key, value in settings.items():
+        if key.startswith(prefix):
+            parts = key[len(prefix) :].split(".")
+            into = nested
+            for part in parts[:-1]:
+                into = into.setdefault(part, {})
+            into[parts[-1]] = value
+    return nested
