@@ -459,13 +459,19 @@ class RunConfig(_Strict):
             raise ValueError(f"all tables feeding one model must share a dim, got {dims}")
         if self.ps.pipeline is not None:
             self._check_pipeline(self.ps.pipeline)
-        if isinstance(self.data.train, KafkaSource) or self.training.mode == "continuous":
+        train = self.data.train
+        streamed = isinstance(train, KafkaSource) or (
+            isinstance(train, DataSource) and train.growing is not None
+        )
+        if streamed or self.training.mode == "continuous":
             self._check_stream()
         if self.model.ranks_items:
             self._check_sasrec_negatives(getattr(self.model, "loss", "bce"))
         early = self.training.early_stopping
         if self.training.full_ranking and not self.model.ranks_items:
-            raise ValueError(f"training.full_ranking ranks items for sasrec and hstu, not {self.model.name!r}")
+            raise ValueError(
+                f"training.full_ranking ranks items for sasrec and hstu, not {self.model.name!r}"
+            )
         if early is not None and early.metric.startswith("full_") and not self.training.full_ranking:
             raise ValueError(
                 f"training.early_stopping.metric {early.metric!r} needs training.full_ranking: true"
@@ -496,25 +502,33 @@ class RunConfig(_Strict):
         return self
 
     def _check_stream(self) -> None:
-        """A Kafka source trains as one bounded epoch or continuously, in the order the stream delivers it."""
+        """A Kafka source trains as one bounded epoch or continuously, growing files continuously, in
+        the order the stream delivers them."""
         training = self.training
         source = self.data.train
-        if training.mode == "continuous" and not isinstance(source, KafkaSource):
+        growing = isinstance(source, DataSource) and source.growing is not None
+        if training.mode == "continuous" and not (isinstance(source, KafkaSource) or growing):
             raise ValueError(
-                "training.mode 'continuous' trains from a stream: data.train must be of format 'kafka' "
-                f"(it is {getattr(source, 'format', None)!r})"
+                "training.mode 'continuous' trains from a stream: data.train must be of format 'kafka', or "
+                f"files with data.train.growing set (it is {getattr(source, 'format', None)!r} without growing)"
             )
+        if growing and training.mode != "continuous":
+            raise ValueError(
+                "data.train.growing follows files as they land: set training.mode: continuous "
+                "(or remove growing to train on the files there now)"
+            )
+        what = "data.train.growing" if growing else "data.train format 'kafka'"
         if training.epochs != 1:
-            what = (
+            reason = (
                 "a stream has no epochs"
                 if training.mode == "continuous"
                 else "a stream is read to its end once"
             )
             raise ValueError(
-                f"training.epochs: {training.epochs} with data.train format 'kafka': {what} (set training.epochs: 1)"
+                f"training.epochs: {training.epochs} with {what}: {reason} (set training.epochs: 1)"
             )
         if training.shuffle_buffer != 0:
-            raise ValueError("training.shuffle_buffer applies to file sources; data.train is format 'kafka'")
+            raise ValueError(f"training.shuffle_buffer applies to finished files; data.train is {what}")
         if training.mode != "continuous":
             return
         if training.early_stopping is not None:

@@ -65,18 +65,17 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-from pydantic import BaseModel, ConfigDict, Field
 
 from psrec.data.background import InputGate, checkpoint
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import ROW_ID, is_prepared, prepare_table, table_to_batch
 from psrec.data.reader import BatchReader, make_format_reader
-from psrec.data.schema import DataSource, Schema
+from psrec.data.schema import DataSource, GrowingFiles, Order, Schema
 from psrec.data.units import OFFSET_BITS, OFFSET_MASK
 from psrec.storage import Location, StorageError, StoragePath, filesystem, is_uri, location
 
@@ -85,31 +84,7 @@ logger = logging.getLogger(__name__)
 POSITION_VERSION = 1
 FILE_NUMBER_BITS = 63 - OFFSET_BITS  # row ids stay non-negative int64
 WAIT_SLICE_S = 0.05  # how often a waiting source checks for close and for a batch overdue
-Order = Literal["name", "time"]
 Identity = tuple[str, int]  # (name, pattern index)
-
-
-class GrowingFiles(BaseModel):
-    """How a growing directory or prefix is followed (see the module docstring).
-
-    - `order`: "name" (lexicographic, for ``dt=.../hour=.../part-N`` layouts) or "time"
-      (modification time, ties by name).
-    - `poll_seconds`: how often the paths are listed again.
-    - `settle_seconds`: a file is read once its size and modification time stayed the same this
-      long; 0 for stores and writers that publish a file whole (object stores, write-then-rename).
-    - `lateness_seconds`: how far back (modification time before the newest file read) a file that
-      lands late, while no reader runs, is still recognised as not read; the position lists the
-      files read within this window, so it grows with the files landing in it.
-    - `ignore_prefixes`: files and directories whose name starts with one of these are not data.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    order: Order = "name"
-    poll_seconds: float = Field(default=1.0, gt=0)
-    settle_seconds: float = Field(default=0.0, ge=0)
-    lateness_seconds: float = Field(default=3600.0, ge=0)
-    ignore_prefixes: list[str] = Field(default=[".", "_"])
 
 
 @dataclass(frozen=True)

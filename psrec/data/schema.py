@@ -159,6 +159,30 @@ class Schema(_Strict):
         return self
 
 
+Order = Literal["name", "time"]
+
+
+class GrowingFiles(_Strict):
+    """How a growing directory or prefix is followed (`psrec.data.growing_source`; `DataSource.growing`).
+
+    - `order`: "name" (lexicographic, for ``dt=.../hour=.../part-N`` layouts) or "time"
+      (modification time, ties by name).
+    - `poll_seconds`: how often the paths are listed again.
+    - `settle_seconds`: a file is read once its size and modification time stayed the same this
+      long; 0 for stores and writers that publish a file whole (object stores, write-then-rename).
+    - `lateness_seconds`: how far back (modification time before the newest file read) a file that
+      lands late, while no reader runs, is still recognised as not read; the position lists the
+      files read within this window, so it grows with the files landing in it.
+    - `ignore_prefixes`: files and directories whose name starts with one of these are not data.
+    """
+
+    order: Order = "name"
+    poll_seconds: float = Field(default=1.0, gt=0)
+    settle_seconds: float = Field(default=0.0, ge=0)
+    lateness_seconds: float = Field(default=3600.0, ge=0)
+    ignore_prefixes: list[str] = Field(default=[".", "_"])
+
+
 class DataSource(_Strict):
     """Where rows come from: format, files (paths or globs) and format options.
 
@@ -178,6 +202,8 @@ class DataSource(_Strict):
       `bytes_lost`), named in a warning, and the rows before the damage are kept.
     - `allow_empty`: a file without rows (empty, or only a header or blank lines) is an error
       unless this is true.
+    - `growing`: the paths are a directory or prefix where new files keep landing; a continuous
+      run (`training.mode: continuous`) reads each once, as it lands (`GrowingFiles`).
     """
 
     format: Literal["criteo_tsv", "csv", "libfm", "parquet", "interactions"]
@@ -189,6 +215,7 @@ class DataSource(_Strict):
     split_bytes: int = Field(default=DEFAULT_SPLIT_BYTES, gt=0)
     on_error: Literal["raise", "skip"] = "raise"
     allow_empty: bool = False
+    growing: GrowingFiles | None = None
 
     @model_validator(mode="after")
     def _check(self) -> DataSource:

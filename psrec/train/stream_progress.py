@@ -3,7 +3,8 @@
 Lag, after each chunk of steps, summed over the trainers' partitions:
 
 - ``events_behind``: messages between the readers' positions and the partitions' ends as the last
-  fetch saw them (the standard consumer lag);
+  fetch saw them (the standard consumer lag); ``files_behind``: for growing files, the files listed
+  and not read yet;
 - ``seconds_behind``: how old the newest event trained on is (now minus its timestamp) while events
   wait, 0 when none does (the model has everything the stream holds).
 
@@ -41,14 +42,17 @@ class StreamProgress:
         """The point after a chunk: `lags` are the trainers' `ChunkResult.stream` reports."""
         now = time.time() if now is None else now
         events_behind = sum(int(lag.get("events_behind", 0)) for lag in lags)
+        files_behind = sum(int(lag.get("files_behind", 0)) for lag in lags)
         newest = max((int(lag.get("newest_event_ms", -1)) for lag in lags), default=-1)
-        seconds_behind = max(0.0, now - newest / 1000) if events_behind and newest >= 0 else 0.0
+        waiting = events_behind or files_behind
+        seconds_behind = max(0.0, now - newest / 1000) if waiting and newest >= 0 else 0.0
         metrics = self.metrics.compute() if len(self.metrics) else {}
         point = {
             "time": now,
             "step": step,
             "samples": samples,
             "events_behind": events_behind,
+            "files_behind": files_behind,
             "seconds_behind": seconds_behind,
             "newest_event_ms": newest,
             "progressive_auc": float(metrics.get("auc", float("nan"))),

@@ -24,6 +24,7 @@ import numpy as np
 from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
+from psrec.data.growing_source import open_growing_reader
 from psrec.data.kafka_source import KafkaSource, open_kafka_reader, partitions_for, topic_partitions
 from psrec.data.reader import PreparedCache, StreamWindow, open_reader
 from psrec.data.schema import DataSource
@@ -335,6 +336,20 @@ class TrainerWorker:
                 max_batch_delay_s=training.stream.batch_timeout_s if continuous else None,
                 gate=self._input_gate,
             )
+        elif source.growing is not None:  # files read as they land (training.mode continuous)
+            self._reader = open_growing_reader(
+                source,
+                self.config.feature_schema(),
+                batch_size=training.batch_size,
+                shard=shard,
+                num_shards=num_shards,
+                growing=source.growing,
+                position=position,
+                max_batch_delay_s=training.stream.batch_timeout_s,
+                idle_timeout_s=training.stream.stop_after_idle_s,
+                base_dir=self.base_dir,
+                gate=self._input_gate,
+            )
         else:
             self._reader = open_reader(
                 source,
@@ -416,14 +431,16 @@ class TrainerWorker:
         return result
 
     def _stream_report(self) -> dict[str, Any] | None:
-        """A stream's lag after the chunk: messages behind the partitions' ends, newest event trained."""
-        if not isinstance(self.sources.get("train"), KafkaSource) or self._reader is None:
+        """A stream's lag after the chunk: messages behind the partitions' ends (for growing files,
+        the files not read yet) and the newest event trained (for files: the newest file's time)."""
+        if self.config.training.mode != "continuous" or self._reader is None:
             return None
         stats = self._reader.stats()
         position = self.checkpoint_state()["position"] or {}
         return {
             "events_behind": int(stats.get("events_behind", 0)),
-            "newest_event_ms": int(position.get("newest_event_ms", -1)),
+            "files_behind": int(stats.get("files_pending", 0)),
+            "newest_event_ms": int(position.get("newest_event_ms") or -1),
         }
 
     # -- trainer failover (psrec.elastic.trainer_failover) -------------------------------------------

@@ -484,3 +484,46 @@ def _nested(settings: dict[str, Any], prefix: str) -> dict[str, Any]:
                 into = into.setdefault(part, {})
             into[parts[-1]] = value
     return nested
+
+
+def test_files_landing_in_a_directory_train_as_the_same_files_finished_would(
+    criteo_lines: list[str],  # noqa: F811
+    synthetic_sources: dict[str, Any],
+    tmp_path: Path,
+) -> None:
+    """`data.train.growing`: files written while a continuous run trains are each read once, in name
+    order; the model equals an epochs run over the finished files (full batches, one trainer)."""
+    landing = tmp_path / "landing"
+    landing.mkdir()
+    parts = [criteo_lines[start : start + 700] for start in range(0, len(criteo_lines), 700)]
+
+    def land() -> None:
+        for index, part in enumerate(parts):
+            staged = tmp_path / f"part-{index:03d}.tsv"
+            staged.write_text("".join(f"{line}\n" for line in part))
+            staged.rename(landing / staged.name)  # whole files appear (write, then rename)
+            time.sleep(0.4)
+
+    growing = {
+        "format": "criteo_tsv",
+        "paths": [str(landing)],
+        "growing": {"poll_seconds": 0.1},
+    }
+    writer = threading.Thread(target=land)
+    writer.start()
+    try:
+        streamed = _run(growing, synthetic_sources["validation"], tmp_path / "stream")
+    finally:
+        writer.join()
+    finished = {"format": "criteo_tsv", "paths": [str(landing / "*.tsv")]}
+    sources = {"train": finished, "validation": synthetic_sources["validation"]}
+    config = small_run_config(sources, tmp_path / "files", **{"checkpoint.full_every": 2})
+    runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
+    try:
+        summary = train_run(config, runtime=runtime)
+        from_files = FinishedRun(summary, runtime.dense_states()[0], runtime.table_rows())
+    finally:
+        runtime.shutdown()
+    assert streamed.summary["rows_consumed"] == streamed.summary["rows_consumed_unique"] == ROWS
+    assert streamed.summary["stream"]["files_behind"] == 0
+    assert_same_model(streamed, from_files)
