@@ -584,6 +584,15 @@ class RunConfig(_Strict):
         if self.training.device == "cuda":
             raise ValueError("ps.pipeline trains on the CPU: set training.device to cpu (or auto)")
 
+    def eviction_period(self) -> int | None:
+        """Steps between evictions: the shortest `eviction.every_steps` of the tables that evict."""
+        periods = []
+        for table in self.table_names():
+            eviction = self.table_config(table).eviction
+            if eviction.ttl_steps is not None or eviction.max_rows is not None:
+                periods.append(eviction.every_steps)
+        return min(periods) if periods else None
+
     def fingerprint_dict(self) -> dict[str, Any]:
         """The parts of the config a checkpoint must agree with to be resumed (not steps or logging)."""
         data = self.model_dump(mode="json", by_alias=True)
@@ -677,3 +686,11 @@ def load_config(path: str | Path, *, overrides: dict[str, Any] | None = None) ->
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the config must be a mapping at the top level")
     return parse_config(data, source=str(path), overrides=overrides)
+
+
+def normalized_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config re-validated with today's schema: new fields appear at their defaults."""
+    try:
+        return RunConfig.model_validate(saved).fingerprint_dict()
+    except ValidationError:
+        return saved  # not valid any more: compared as written, the differences are then reported

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from psrec.config import RunConfig
+from psrec import storage
+from psrec.config import ConfigError, RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +131,17 @@ def _conversion(config: RunConfig, raw: Path, source: dict[str, Any], target: Pa
         (target / "_SUCCESS").write_text("ok\n")
 
     return convert
+
+
+def check_stored_sources(sources: dict[str, dict[str, Any]]) -> None:
+    """List every data path that is a store URI once, so that an unreachable store or a missing
+    file is a ConfigError naming the URI before training starts."""
+    from psrec.data.units import expand_paths
+
+    for split, source in sources.items():
+        for pattern in source.get("paths") or []:
+            if storage.is_uri(pattern):
+                try:
+                    expand_paths([pattern])
+                except (OSError, ValueError) as error:
+                    raise ConfigError(f"data.{split}.paths: {pattern!r}: {error}") from None

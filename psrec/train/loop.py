@@ -1,13 +1,20 @@
-"""The training driver: epochs of steps on a runtime, evaluation, early stopping, checkpoints, recovery.
+"""The training driver: epochs of steps (or a stream, continuously) on a runtime, evaluation, early
+stopping, checkpoints, recovery.
 
 `train(config)` is what `psrec train CONFIG` runs. It prepares the data (`psrec.train.data_sources`:
 generating the synthetic Criteo-shaped set when the config asks for it), starts the runtime
 (in-process or Ray) and drives it: every trainer runs `log_every_steps` steps at a time; between
 chunks, at step boundaries, the driver reports progress (callback + TensorBoard,
-`psrec.train.reporting`), evaluates on the validation split (end of every epoch and every
-`eval_every_steps`), keeps the best model under early stopping (decaying every learning rate on a
-plateau; the rule is `psrec.train.evaluation.decide_early_stopping`), and writes checkpoints
-(`psrec.checkpoint`).
+`psrec.train.reporting`), evicts table rows as `embedding.*.eviction` says, evaluates on the
+validation split (end of every epoch and every `eval_every_steps`), keeps the best model under early
+stopping (decaying every learning rate on a plateau; the rule is
+`psrec.train.evaluation.decide_early_stopping`), and writes checkpoints (`psrec.checkpoint`; every
+`checkpoint.every_steps` / `every_seconds`).
+
+Continuous mode (`training.mode: continuous`, docs/streaming.md): no epochs; a chunk also ends when a
+trainer's stream was quiet for `training.stream.wait_seconds`, the progress reports the lag and
+progressive validation (`psrec.train.stream_progress`), and the run ends on `stop` (SIGTERM in
+`psrec train`), `max_steps` or `stop_after_idle_s`, with a checkpoint of its last step.
 
 Resume and failures: `train(..., resume=True)` restores the newest valid checkpoint chain of the
 run directory. When a Ray actor dies (trainer or shard), the runtime replaces it and the whole job
@@ -26,7 +33,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,105 +42,24 @@ from psrec import checkpoint, storage
 from psrec.checkpoint.files import discard_directory
 from psrec.checkpoint.format import MANIFEST_FILE
 from psrec.checkpoint.policy import RestartDecision, choose_restart
-from psrec.config import ConfigError, RunConfig
+from psrec.config import ConfigError, RunConfig, normalized_fingerprint
 from psrec.elastic.resharding import ScaleController
 from psrec.machine import precisions_differ, summarize_trainers
-from psrec.train.accounting import (
-    EMPTY,
-    id_ranges,
-    ranges_from_json,
-    ranges_size,
-    ranges_to_json,
-    union_ranges,
-)
-from psrec.train.data_sources import start_preparing_data
+from psrec.train.data_sources import check_stored_sources, start_preparing_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
 from psrec.train.runtime import Runtime, make_runtime
 from psrec.train.stream_progress import StreamProgress
+from psrec.train.train_state import MAX_FAILED_UNITS, TrainState
 from psrec.trainer.chunks import ChunkResult
 from psrec.trainer.metrics import BinaryMetricAccumulator
 from psrec.trainer.startup import paused_gc, startup_report
 
 logger = logging.getLogger(__name__)
 
-MAX_FAILED_UNITS = 100  # failed units listed in the summary (all are counted)
 
 ProgressFn = Callable[[dict[str, Any]], None]
-
-
-@dataclass
-class TrainState:
-    """What the driver knows of the run; the JSON-able part travels in every checkpoint's `extra`."""
-
-    step: int = 0
-    epoch: int = 0
-    epoch_done: bool = False
-    stopped: bool = False
-    samples: int = 0
-    rows_skipped: int = 0
-    best_metric: float | None = None
-    best_step: int = -1
-    bad_evals: int = 0
-    lr_factor: float = 1.0
-    history: list[dict[str, Any]] = field(default_factory=list)
-    # bad input besides skipped rows: units failed, bytes and rows lost, dense values filled/clipped
-    input_counts: dict[str, int] = field(default_factory=dict)
-    failed_units: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_FAILED_UNITS
-    # (step after the chunk, row ids the chunk consumed): the exact-once data accounting.
-    consumed: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    rows_before_resume: int = 0
-    # the ranges of every row consumed: the restored checkpoint's, with `consumed[:_folded]` added
-    _ranges: np.ndarray = field(default_factory=lambda: EMPTY.copy())
-    _folded: int = 0
-
-    _SAVED = (
-        "epoch",
-        "epoch_done",
-        "stopped",
-        "samples",
-        "rows_skipped",
-        "best_metric",
-        "best_step",
-        "bad_evals",
-        "lr_factor",
-        "input_counts",
-        "failed_units",
-    )
-
-    def extra(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self._SAVED} | {
-            "history": self.history,
-            "rows_consumed": self.rows_consumed(),
-            "rows_consumed_ranges": ranges_to_json(self.consumed_ranges()),
-        }
-
-    def rows_consumed(self) -> int:
-        return self.rows_before_resume + sum(ids.size for _, ids in self.consumed)
-
-    def consumed_ranges(self) -> np.ndarray:
-        """Every row id consumed by the run so far, before a restart included, as ranges."""
-        new = [ids for _, ids in self.consumed[self._folded :]]
-        if new:
-            self._ranges = union_ranges(self._ranges, id_ranges(np.concatenate(new)))
-            self._folded = len(self.consumed)
-        return self._ranges
-
-    def rows_consumed_unique(self) -> int:
-        return ranges_size(self.consumed_ranges())
-
-    def roll_back(self, step: int, extra: dict[str, Any]) -> None:
-        """Return to a checkpoint: forget the work of steps after it."""
-        fresh = TrainState()
-        for key in self._SAVED:
-            setattr(self, key, extra.get(key, getattr(fresh, key)))
-        self.step = step
-        self.history = list(extra.get("history", []))
-        self.consumed = [(end, ids) for end, ids in self.consumed if end <= step]
-        known = sum(ids.size for _, ids in self.consumed)
-        self.rows_before_resume = int(extra.get("rows_consumed", known)) - known
-        self._ranges, self._folded = ranges_from_json(extra.get("rows_consumed_ranges")), 0
 
 
 def train(
@@ -170,7 +95,7 @@ def train(
     plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints), resume=resume)
     data = start_preparing_data(config, base_dir=Path(base_dir))  # rows not cached: on a thread
     sources = data.sources
-    _check_stored_sources(sources)
+    check_stored_sources(sources)
     started = time.perf_counter()
     owns_runtime = runtime is None
     if runtime is None:
@@ -207,20 +132,6 @@ def train(
     )
     write_text(run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
     return summary
-
-
-def _check_stored_sources(sources: dict[str, dict[str, Any]]) -> None:
-    """List every data path that is a store URI once, so that an unreachable store or a missing
-    file is a ConfigError naming the URI before training starts."""
-    from psrec.data.units import expand_paths
-
-    for split, source in sources.items():
-        for pattern in source.get("paths") or []:
-            if storage.is_uri(pattern):
-                try:
-                    expand_paths([pattern])
-                except (OSError, ValueError) as error:
-                    raise ConfigError(f"data.{split}.paths: {pattern!r}: {error}") from None
 
 
 class Driver:
@@ -263,7 +174,7 @@ class Driver:
         self.resumed_from: dict[str, Any] | None = None
         self.machines: dict[str, Any] = {}  # the trainers' machines and dense precision (_ask_machines)
         self.scaling = ScaleController(self.run_dir, config, runtime)  # `psrec scale`, between steps
-        self.eviction_every = _eviction_period(config)  # steps between evictions (None: no table evicts)
+        self.eviction_every = config.eviction_period()  # steps between evictions (None: no table evicts)
         self.evicted: dict[str, int] = {}
 
     # -- the run -------------------------------------------------------------------------------
@@ -583,7 +494,7 @@ class Driver:
 
     def _chain(self) -> list[Any]:
         return checkpoint.resolve_restore_chain(
-            self.run_dir, config=self.config.fingerprint_dict(), normalize=_normalized_fingerprint
+            self.run_dir, config=self.config.fingerprint_dict(), normalize=normalized_fingerprint
         )
 
     def _restore_latest(self) -> bool:
@@ -674,7 +585,7 @@ class Driver:
             chain = checkpoint.resolve_restore_chain(
                 self.run_dir,
                 config=self.config.fingerprint_dict(),
-                normalize=_normalized_fingerprint,
+                normalize=normalized_fingerprint,
                 at_step=best_step,
             )
         if not chain:
@@ -725,26 +636,6 @@ class Driver:
             if split in self.sources and split not in summary:
                 summary[split] = evaluation_metrics(self.runtime.evaluate(split))
         return summary
-
-
-def _eviction_period(config: RunConfig) -> int | None:
-    """Steps between evictions: the shortest `eviction.every_steps` of the tables that evict."""
-    periods = []
-    for table in config.table_names():
-        eviction = config.table_config(table).eviction
-        if eviction.ttl_steps is not None or eviction.max_rows is not None:
-            periods.append(eviction.every_steps)
-    return min(periods) if periods else None
-
-
-def _normalized_fingerprint(saved: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's config re-validated with today's schema: new fields appear at their defaults."""
-    from pydantic import ValidationError
-
-    try:
-        return RunConfig.model_validate(saved).fingerprint_dict()
-    except ValidationError:
-        return saved  # not valid any more: compared as written, the differences are then reported
 
 
 def _is_actor_failure(error: BaseException) -> bool:

@@ -148,14 +148,14 @@ def test_checkpoint_config_from_an_older_schema_is_normalised(
     synthetic_sources: dict[str, Any], tmp_path: Path
 ) -> None:
     """A field added to the schema after a checkpoint was written (at its default) is not a difference."""
-    from psrec.train.loop import _normalized_fingerprint
+    from psrec.config import normalized_fingerprint
 
     config = small_run_config(synthetic_sources, tmp_path)
     saved = config.fingerprint_dict()
     del saved["training"]["cache_data"]  # as written before the field existed
     del saved["ps"]["strategy"]
     assert saved != config.fingerprint_dict()
-    assert _normalized_fingerprint(saved) == config.fingerprint_dict()
+    assert normalized_fingerprint(saved) == config.fingerprint_dict()
 
 
 def test_the_best_model_survives_a_restart_through_its_kept_checkpoint(
