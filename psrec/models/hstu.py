@@ -12,7 +12,9 @@ Math (B = batch, L = sequence length <= n = ``max_length``, D = embedding dim, H
     u_t = x_t / ||x_t||,   r_t(i) = <u_t, E[i] / ||E[i]||> / temperature   # cosine / temperature
 
 (the paper's eq. 1-3 as the reference code computes them: facebookresearch/generative-recommenders,
-research/modeling/sequential/hstu.py with its ML-1M configs). Item embeddings are the PS table's rows,
+research/modeling/sequential/hstu.py with its ML-1M configs). The reference divides by its padded
+length (max length + 11 output slots); the layer norm of A V cancels any constant scale, so n =
+``max_length`` here. Item embeddings are the PS table's rows,
 the same rows in (``seq``) and out (``pos``, negatives, candidates): tied. Weights start as the
 reference's: W_uvqk normal(0, 0.02), W_o Xavier-uniform (PyTorch's default bias), P Xavier-normal,
 relative-bias weights normal(0, 0.02).
@@ -35,6 +37,9 @@ Inputs (``ModelInput``), as SASRec's (psrec/models/sasrec.py):
 Stages (``stages()``): `HSTUEmbedding` (ModelInput -> {"hidden", "mask", ["times"], pass-through
 targets}), `HSTUStack` (with ``block_parts()`` for a pipeline), `HSTUHead` (normalisation and the
 logits: "pos_logits", "neg_logits", "negatives_logits" (B, L, N), "candidate_logits").
+
+Train it with ``psrec train examples/ml1m_hstu.yaml --data-dir ../shared/data``; its tests:
+``pytest tests/models/test_hstu.py tests/train/test_hstu_training.py``.
 """
 
 from __future__ import annotations
