@@ -541,8 +541,10 @@ class RunConfig(_Strict):
                 "training.mode 'continuous' runs with ps.strategy 'ps' and no ps.pipeline "
                 f"(got strategy {self.ps.strategy!r}, pipeline {'set' if self.ps.pipeline else 'none'})"
             )
-        if self.model.name == "sasrec":
-            raise ValueError("training.mode 'continuous' trains CTR models; sasrec reads interaction files")
+        if self.model.ranks_items or getattr(source, "format", None) == "interactions":
+            raise ValueError(
+                f"training.mode 'continuous' trains CTR models; {self.model.name} reads interaction files"
+            )
 
     def _check_sasrec_negatives(self, loss: str) -> None:
         """model.loss sampled_softmax draws its negatives from data.schema's "negatives" sequence."""
