@@ -13,9 +13,10 @@ the last row delivered: no row skipped, none twice. Nothing is committed to the 
 An offset that the broker no longer holds (retention) raises instead of jumping ahead.
 
 Each message is one row, decoded by `psrec.data.message_format` (a JSON object with the schema's
-column names, or a CSV/TSV line in a given column order) into the same raw table a file of those
-rows gives, then hashed and transformed by `features.prepare_table` as the file readers do: a stream
-row and a file row become the same batch. Bad messages follow the source's `on_error` like bad file
+column names, a CSV/TSV line in a given column order, or an Avro record of `avro_schema`, bare or
+in the Confluent wire format) into the same raw table a file of those rows gives, then hashed and
+transformed by `features.prepare_table` as the file readers do: a stream row and a file row become
+the same batch. Bad messages follow the source's `on_error` like bad file
 rows (`BadRowError` naming topic, partition and offset, or counted in `stats()` and skipped; a
 position is past the bad messages before its last row, so only those after the last row delivered
 are read, and counted, again on resume). Rows
@@ -49,13 +50,19 @@ import numpy as np
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError
 from confluent_kafka import TopicPartition as KafkaPartition
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from psrec.data.background import InputGate, checkpoint
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import prepare_table, table_to_batch
-from psrec.data.message_format import MessageDecoder, MessageFormat
+from psrec.data.message_format import (
+    AvroFraming,
+    AvroMessages,
+    MessageDecoder,
+    MessageFormat,
+    load_avro_schema,
+)
 from psrec.data.reader import BatchReader
 from psrec.data.schema import Schema
 from psrec.data.units import OFFSET_BITS
@@ -89,6 +96,14 @@ class KafkaSource(BaseModel):
     `enable.auto.commit: false` and explicit offsets whatever they say. `columns` and `delimiter`
     apply to csv/tsv messages (see `psrec.data.message_format`). `poll_timeout_s`: the longest one
     poll of the broker waits (also how soon a closed reader notices).
+
+    Avro messages (`message_format: avro`) need `avro_schema`, their record schema: the schema as a
+    mapping, its JSON text, or the path of an .avsc file, which is read when the source is
+    validated (the source then holds the schema itself, so trainers elsewhere need no file).
+    `avro_framing`: "confluent" (default; magic byte 0 and a 4-byte schema id before each record,
+    as Confluent's serializers write) or "plain" (bare records). `avro_schema_id`: with the
+    Confluent framing, the one schema id accepted (a message of another is a bad row); the id is
+    never looked up in a schema registry: `avro_schema` reads every message.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -99,16 +114,41 @@ class KafkaSource(BaseModel):
     message_format: MessageFormat = "json"
     columns: list[str] | None = None
     delimiter: str | None = Field(default=None, min_length=1, max_length=1)
+    avro_schema: dict[str, Any] | None = None
+    avro_framing: AvroFraming = "confluent"
+    avro_schema_id: int | None = Field(default=None, ge=0, lt=1 << 32)
     on_error: Literal["raise", "skip"] = "raise"
     client: dict[str, str | int | float | bool] = {}
     poll_timeout_s: float = Field(default=0.5, gt=0)
+
+    @field_validator("avro_schema", mode="before")
+    @classmethod
+    def _load_avro_schema(cls, value: Any) -> Any:
+        return value if value is None or not isinstance(value, dict | str) else load_avro_schema(value)
 
     @model_validator(mode="after")
     def _check(self) -> KafkaSource:
         if len(set(self.topics)) != len(self.topics):
             raise ValueError(f"topics named twice: {self.topics}")
-        if self.message_format == "json" and (self.columns is not None or self.delimiter is not None):
-            raise ValueError("columns and delimiter apply to csv/tsv messages, not json")
+        text = self.message_format in ("csv", "tsv")
+        if not text and (self.columns is not None or self.delimiter is not None):
+            raise ValueError(f"columns and delimiter apply to csv/tsv messages, not {self.message_format}")
+        avro = self.message_format == "avro"
+        if avro and self.avro_schema is None:
+            raise ValueError(
+                "message_format avro needs avro_schema: the record schema (a mapping, its JSON text, "
+                "or the path of an .avsc file)"
+            )
+        changed = {  # from their defaults (a dumped source holds every field, set or not)
+            "avro_schema": self.avro_schema is not None,
+            "avro_framing": self.avro_framing != "confluent",
+            "avro_schema_id": self.avro_schema_id is not None,
+        }
+        given = [name for name, differs in changed.items() if differs]
+        if not avro and given:
+            raise ValueError(f"{', '.join(given)} apply to avro messages, not {self.message_format}")
+        if self.avro_schema_id is not None and self.avro_framing != "confluent":
+            raise ValueError("avro_schema_id is the Confluent framing's schema id: plain records carry none")
         return self
 
 
@@ -455,8 +495,16 @@ def open_kafka_reader(
     start = {tp: earlier.get(tp, 0) for tp in assigned}
     newest = int(position.get("newest_event_ms", -1)) if position is not None else -1
     errors = BadRows(source.on_error)
+    avro = None
+    if source.avro_schema is not None:
+        avro = AvroMessages(source.avro_schema, source.avro_framing, source.avro_schema_id)
     decoder = MessageDecoder(
-        schema, source.message_format, errors, columns=source.columns, delimiter=source.delimiter
+        schema,
+        source.message_format,
+        errors,
+        columns=source.columns,
+        delimiter=source.delimiter,
+        avro=avro,
     )
     consumption = _Consumption(
         source,

@@ -1,11 +1,12 @@
 """Stream messages -> the raw table a file reader makes of the same rows: one message is one row.
 
-A message is either a JSON object with the schema's column names, or one CSV/TSV line with the
-columns in a given order (by default the schema's: labels, dense, sparse, sequences). Both decode to
-the columns and Arrow types the text readers parse files to (`features.text_column_types`: labels
-and dense float64, hashed sparse as text, pass-through ids int64, missing = null), so that
-`features.prepare_table` and `features.table_to_batch` make the same `Batch` of a row whether it
-came from a file or a stream. Lines parse with the text readers' own `text_format.parse_lines`.
+A message is a JSON object with the schema's column names, one CSV/TSV line with the columns in a
+given order (by default the schema's: labels, dense, sparse, sequences), or one Avro record of a
+given record schema. All decode to the columns and Arrow types the text readers parse files to
+(`features.text_column_types`: labels and dense float64, hashed sparse as text, pass-through ids
+int64, missing = null), so that `features.prepare_table` and `features.table_to_batch` make the same
+`Batch` of a row whether it came from a file or a stream. Lines parse with the text readers' own
+`text_format.parse_lines`.
 
 JSON values, per column kind (anything else makes the message a bad row):
 
@@ -20,12 +21,32 @@ line of valid UTF-8 text (empty, several lines, not JSON, not an object) is a ba
 row is reported through `BadRows` (raise or count and skip, `on_error`) with the message's place
 (for Kafka: topic, partition and offset), then the rows that decode go through `features.bad_rows`,
 the checks every file reader applies (labels 0 or 1, dense `invalid`, id ranges).
+
+Avro: each message is one record of the source's record schema (`AvroMessages`), read with
+fastavro's `schemaless_reader`, either bare (`framing: plain`, as `schemaless_writer` writes it) or
+in the Confluent wire format (`framing: confluent`, what Confluent's serializers and schema-registry
+tools write: byte 0, a 4-byte big-endian schema id, then the record). The id is not looked up in a
+registry: the given schema reads every message (with `schema_id` set, a message of another id is a
+bad row). The framing is a setting, never guessed: a bare record often starts with byte 0 too. The
+record's fields map to columns by name and convert as JSON values do (null as JSON null, arrays as
+JSON lists); which Avro types a column takes is checked when the decoder is made
+(`check_avro_columns`: labels and dense: int, long, float, double; pass-through ids: int, long;
+hashed sparse and sequences: string, int, long, enum or an array of them; each optionally in a
+union with null; no logical types), so a schema that cannot fill the columns fails before any
+message is read. A message that does not decode as one record (truncated, corrupt, bytes left over,
+not framed as set) is a bad row.
+
+    avro = AvroMessages(load_avro_schema("clicks.avsc"), framing="confluent")
+    decoder = MessageDecoder(schema, "avro", BadRows("raise"), avro=avro)
 """
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -36,21 +57,162 @@ from psrec.data.features import ROW_ID, bad_rows, text_column_types
 from psrec.data.schema import Schema, SequenceFeature, SparseFeature
 from psrec.data.text_format import parse_failure, parse_lines
 
-MessageFormat = Literal["json", "csv", "tsv"]
+MessageFormat = Literal["json", "csv", "tsv", "avro"]
+AvroFraming = Literal["confluent", "plain"]
 INT64_MAX = (1 << 63) - 1
 Locate = Callable[[int], tuple[str, str]]  # message index -> (source, location), as BadRows reports them
 RESOLVE = "set on_error: skip to count bad messages and go on"
+CONFLUENT_MAGIC = 0  # the Confluent wire format's first byte
+CONFLUENT_HEADER = 5  # magic byte + 4-byte big-endian schema id
+SAMPLE_BYTES = 64  # bytes of a bad binary message shown (as hex) in its report
+# What fastavro raises on bytes that are not a record of the schema (UnicodeDecodeError is a ValueError).
+AVRO_ERRORS = (EOFError, IndexError, ValueError, OverflowError, MemoryError)
+AVRO_NUMBERS = {"int", "long", "float", "double"}
+AVRO_INTEGERS = {"int", "long"}
+AVRO_TEXT_ITEMS = {"string", "int", "long", "enum"}
 
 
 def _text(value: bytes | None) -> str:
     return "" if value is None else value.decode("utf-8", errors="replace")
 
 
+@dataclass(frozen=True)
+class AvroMessages:
+    """How Avro messages are written: `schema` the record schema (Avro's JSON form, e.g. from
+    `load_avro_schema`), `framing` "plain" (the bare record) or "confluent" (magic byte 0 and a
+    4-byte schema id before it), `schema_id` the only Confluent schema id accepted (None: any)."""
+
+    schema: Mapping[str, Any]
+    framing: AvroFraming = "confluent"
+    schema_id: int | None = None
+
+
+def load_avro_schema(value: Mapping[str, Any] | str) -> dict[str, Any]:
+    """An Avro record schema, checked (fastavro parses it, its type is "record"), as a plain JSON
+    mapping: `value` is the schema itself, its JSON text, or the path of an .avsc file holding it."""
+    import fastavro  # here, not at the top: only Avro sources pay for its import
+
+    if isinstance(value, str):
+        text = value
+        if not value.lstrip().startswith("{"):
+            try:
+                text = Path(value).read_text()
+            except OSError as error:
+                raise ValueError(
+                    f"cannot read the Avro schema file {value!r}: {error.strerror} (give a path to an "
+                    ".avsc file, or the schema itself as a JSON object)"
+                ) from None
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"the Avro schema is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"an Avro record schema (a JSON object) expected, got {type(value).__name__}")
+    schema = json.loads(json.dumps(value))  # a plain copy; fails on what JSON cannot hold
+    if schema.get("type") != "record":
+        raise ValueError(f"an Avro schema of type 'record' expected, got type {schema.get('type')!r}")
+    try:
+        fastavro.parse_schema(schema)
+    except Exception as error:  # noqa: BLE001 - fastavro raises several types for a bad schema
+        raise ValueError(f"not a valid Avro schema: {type(error).__name__}: {error}") from None
+    return dict(schema)
+
+
+def _named_types(avro_type: Any, named: dict[str, Any]) -> dict[str, Any]:
+    """Every named type (record, enum, fixed) defined in `avro_type`, by name and by full name."""
+    if isinstance(avro_type, list):
+        for branch in avro_type:
+            _named_types(branch, named)
+    elif isinstance(avro_type, dict):
+        if "name" in avro_type and avro_type.get("type") in ("record", "enum", "fixed"):
+            named[avro_type["name"]] = avro_type
+            if avro_type.get("namespace"):
+                named[f"{avro_type['namespace']}.{avro_type['name']}"] = avro_type
+        for field in avro_type.get("fields", []):
+            _named_types(field.get("type"), named)
+        for key in ("items", "values"):
+            if key in avro_type:
+                _named_types(avro_type[key], named)
+    return named
+
+
+def _avro_branches(avro_type: Any, named: dict[str, Any]) -> list[Any]:
+    """The types a value may have: a union's branches, named types resolved."""
+    branches = avro_type if isinstance(avro_type, list) else [avro_type]
+    return [named.get(branch, branch) if isinstance(branch, str) else branch for branch in branches]
+
+
+def _avro_name(branch: Any) -> str:
+    """A type's name as an error shows it and the checks compare it: "long", "array", "long/uuid"."""
+    if isinstance(branch, str):
+        return branch
+    if isinstance(branch, dict):
+        logical = branch.get("logicalType")
+        name = _avro_name(branch.get("type"))
+        return f"{name}/{logical}" if logical else name
+    return repr(branch)
+
+
+def _avro_field_types(avro_schema: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Each field's type names (a union's branches; "array of string | long" for an array)."""
+    named = _named_types(dict(avro_schema), {})
+    types = {}
+    for field in avro_schema["fields"]:
+        names = []
+        for branch in _avro_branches(field["type"], named):
+            name = _avro_name(branch)
+            if name == "array":
+                items = [_avro_name(item) for item in _avro_branches(branch["items"], named)]
+                name = f"array of {' | '.join(items)}"
+            names.append(name)
+        types[field["name"]] = names
+    return types
+
+
+def check_avro_columns(schema: Schema, avro_schema: Mapping[str, Any]) -> None:
+    """Raise ValueError unless the record schema has a field of a fitting type for each of `schema`'s
+    columns (see the module docstring); fields no column names may be of any type."""
+    fields = _avro_field_types(avro_schema)
+    types = text_column_types(schema)
+    missing = [name for name in types if name not in fields]
+    if missing:
+        raise ValueError(f"the Avro schema {avro_schema.get('name')!r} has no fields {missing}")
+    for name, kind in types.items():
+        if kind == pa.float64():
+            allowed, wanted = AVRO_NUMBERS, "int, long, float or double"
+        elif kind == pa.int64():
+            allowed, wanted = AVRO_INTEGERS, "int or long"
+        else:
+            allowed, wanted = AVRO_TEXT_ITEMS, "string, int, long, enum or an array of them"
+        for found in fields[name]:
+            items = found.removeprefix("array of ").split(" | ") if found.startswith("array of ") else None
+            fits = found == "null" or found in allowed
+            if items is not None and kind == pa.string():
+                fits = all(item in AVRO_TEXT_ITEMS for item in items)
+            if not fits:
+                raise ValueError(
+                    f"Avro field {name!r} is of type {found}: its column needs {wanted} (or a union of "
+                    "them with null; no logical types)"
+                )
+
+
+def _avro_direct_columns(schema: Schema, avro_schema: Mapping[str, Any]) -> list[str]:
+    """The columns whose Avro values Arrow converts to the column's type as they are (numbers, ids,
+    strings and enum symbols); the others (integers or arrays for text) convert as JSON values do."""
+    fields = _avro_field_types(avro_schema)
+    return [
+        name
+        for name, kind in text_column_types(schema).items()
+        if kind != pa.string() or set(fields[name]) <= {"string", "enum", "null"}
+    ]
+
+
 class MessageDecoder:
     """Decodes blocks of messages of one format for `schema` (see the module docstring).
 
     `columns`: the column order of CSV/TSV lines (default: the schema's); `delimiter`: default ","
-    for csv and tab for tsv. Only csv lines may quote values (`"`), as in files.
+    for csv and tab for tsv. Only csv lines may quote values (`"`), as in files. `avro`: how Avro
+    messages are written (required for, and only for, "avro").
     """
 
     def __init__(
@@ -61,7 +223,10 @@ class MessageDecoder:
         *,
         columns: Sequence[str] | None = None,
         delimiter: str | None = None,
+        avro: AvroMessages | None = None,
     ) -> None:
+        if (message_format == "avro") != (avro is not None):
+            raise ValueError("Avro messages need `avro` (their schema), and only they take it")
         self.schema = schema
         self.message_format = message_format
         self.errors = errors
@@ -73,6 +238,15 @@ class MessageDecoder:
         self.delimiter = delimiter or ("\t" if message_format == "tsv" else ",")
         features: list[SparseFeature | SequenceFeature] = [*schema.sparse, *schema.sequences]
         self.separators = {feature.name: feature.separator for feature in features}
+        self.avro = avro
+        self.avro_schema: Any = None  # fastavro's parsed form of avro.schema
+        self.direct: list[str] = []  # columns Arrow converts from the records at once (Avro only)
+        if avro is not None:
+            import fastavro  # here, not at the top: only Avro sources pay for its import
+
+            check_avro_columns(schema, avro.schema)
+            self.avro_schema = fastavro.parse_schema(dict(avro.schema))
+            self.direct = _avro_direct_columns(schema, avro.schema)
 
     def decode(
         self, values: Sequence[bytes | None], row_ids: np.ndarray, locate: Locate
@@ -84,7 +258,9 @@ class MessageDecoder:
         """
         problems: dict[int, tuple[str, Policy | None]] = {}  # message -> (reason, policy override)
         if self.message_format == "json":
-            table, kept = self._json(values, problems)
+            table, kept = self._records(*self._json(values, problems), problems)
+        elif self.message_format == "avro":
+            table, kept = self._records(*self._avro(values, problems), problems)
         else:
             table, kept = self._lines(values, problems)
         if table is not None:
@@ -107,7 +283,11 @@ class MessageDecoder:
         source, location = locate(index)
         if (policy or self.errors.policy) == "raise":
             reason = f"{reason} ({RESOLVE})" if policy is None else reason
-        self.errors.report(source, location, reason, _text(value), policy=policy)
+        if self.message_format == "avro" and value is not None:
+            sample = value[:SAMPLE_BYTES].hex() + ("..." if len(value) > SAMPLE_BYTES else "")
+        else:
+            sample = _text(value)
+        self.errors.report(source, location, reason, sample, policy=policy)
 
     # -- CSV / TSV lines ------------------------------------------------------------------------
 
@@ -160,11 +340,12 @@ class MessageDecoder:
             return None, np.zeros(0, np.int64)
         return pa.concat_tables([table for table, _ in parts]), np.concatenate([kept for _, kept in parts])
 
-    # -- JSON objects ---------------------------------------------------------------------------
+    # -- JSON objects and Avro records ---------------------------------------------------------
 
     def _json(
         self, values: Sequence[bytes | None], problems: dict[int, tuple[str, Policy | None]]
-    ) -> tuple[pa.Table | None, np.ndarray]:
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """(the objects of the messages that are JSON objects, the index of each one's message)."""
         rows: list[dict[str, Any]] = []
         indices: list[int] = []
         for index, value in enumerate(values):
@@ -178,8 +359,70 @@ class MessageDecoder:
                 continue
             rows.append(row)
             indices.append(index)
+        return rows, indices
+
+    def _avro(
+        self, values: Sequence[bytes | None], problems: dict[int, tuple[str, Policy | None]]
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """(the records of the messages that decode as one record, the index of each one's message)."""
+        from fastavro import schemaless_reader
+
+        assert self.avro is not None
+        framed = self.avro.framing == "confluent"
+        wanted_id = self.avro.schema_id
+        rows: list[dict[str, Any]] = []
+        indices: list[int] = []
+        for index, value in enumerate(values):
+            value = value or b""
+            start = 0
+            if framed:
+                if len(value) < CONFLUENT_HEADER or value[0] != CONFLUENT_MAGIC:
+                    problems[index] = (_unframed(value), None)
+                    continue
+                schema_id = int.from_bytes(value[1:CONFLUENT_HEADER], "big")
+                if wanted_id is not None and schema_id != wanted_id:
+                    problems[index] = (
+                        f"written with schema id {schema_id}, not the source's avro_schema_id {wanted_id}",
+                        None,
+                    )
+                    continue
+                start = CONFLUENT_HEADER
+            stream = io.BytesIO(value)
+            stream.seek(start)
+            try:
+                row = schemaless_reader(stream, self.avro_schema)
+            except AVRO_ERRORS as error:
+                problems[index] = (f"not an Avro record of the schema: {type(error).__name__}: {error}", None)
+                continue
+            left = len(value) - stream.tell()
+            if left:
+                problems[index] = (
+                    f"{left} byte(s) after the Avro record (written with another schema, or not one record)",
+                    None,
+                )
+                continue
+            assert isinstance(row, dict)  # the schema's type is "record"
+            rows.append(row)
+            indices.append(index)
+        return rows, indices
+
+    def _records(
+        self, rows: list[dict[str, Any]], indices: list[int], problems: dict[int, tuple[str, Policy | None]]
+    ) -> tuple[pa.Table | None, np.ndarray]:
+        """The table of the objects' columns, and the index of each row's message; an object with a
+        value of the wrong kind is a bad row. The `direct` columns convert in one Arrow call."""
         wrong: dict[int, str] = {}  # row -> reason
-        arrays = {name: self._json_column(name, kind, rows, wrong) for name, kind in self.types.items()}
+        converted: dict[str, pa.Array] = {}
+        if self.direct:
+            try:
+                records = pa.array(rows, pa.struct([(name, self.types[name]) for name in self.direct]))
+                converted = {name: records.field(name) for name in self.direct}
+            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                pass  # a value out of range: column by column, naming it
+        arrays = {
+            name: converted[name] if name in converted else self._json_column(name, kind, rows, wrong)
+            for name, kind in self.types.items()
+        }
         kept = np.array(indices, dtype=np.int64)
         if wrong:
             for row, reason in wrong.items():
@@ -240,6 +483,18 @@ class MessageDecoder:
 
 
 _BAD = object()
+
+
+def _unframed(value: bytes) -> str:
+    """Why `value` is not in the Confluent wire format."""
+    if not value:
+        return "an empty message (an Avro record in the Confluent wire format expected)"
+    if value[0] != CONFLUENT_MAGIC:
+        return (
+            f"first byte 0x{value[0]:02x} is not the Confluent wire format's magic byte 0 (set "
+            "avro_framing: plain for bare Avro records)"
+        )
+    return f"{len(value)} byte(s): shorter than the Confluent wire format's 5-byte header"
 
 
 def _as_number(value: Any) -> Any:
