@@ -98,7 +98,9 @@ def make_format_reader(
         return LibfmFormat(local_files(files), source, schema, errors)
     from psrec.data.sequences import InteractionsFormat
 
-    return InteractionsFormat(local_files(files), schema, errors, seed=seed, allow_empty=source.allow_empty)
+    return InteractionsFormat(
+        local_files(files), schema, errors, seed=seed, allow_empty=source.allow_empty, holdout=source.holdout
+    )
 
 
 @dataclass

@@ -204,6 +204,10 @@ class DataSource(_Strict):
       unless this is true.
     - `growing`: the paths are a directory or prefix where new files keep landing; a continuous
       run (`training.mode: continuous`) reads each once, as it lands (`GrowingFiles`).
+    - `holdout` (interactions): which items each user's sequence holds out for evaluation:
+      "last_two" (SASRec's split: validation = second-to-last, test = last) or "last"
+      (generative-recommenders': train on all but the last item, evaluate on the last); see
+      `psrec.data.sequences`.
     """
 
     format: Literal["criteo_tsv", "csv", "libfm", "parquet", "interactions"]
@@ -216,6 +220,7 @@ class DataSource(_Strict):
     on_error: Literal["raise", "skip"] = "raise"
     allow_empty: bool = False
     growing: GrowingFiles | None = None
+    holdout: Literal["last_two", "last"] = "last_two"
 
     @model_validator(mode="after")
     def _check(self) -> DataSource:
@@ -235,6 +240,8 @@ class DataSource(_Strict):
             self.delimiter is not None or self.header is not None or self.columns is not None
         ):
             raise ValueError(f"delimiter/header/columns apply to csv and criteo_tsv, not {self.format!r}")
+        if self.holdout != "last_two" and self.format != "interactions":
+            raise ValueError(f"holdout applies to format 'interactions' only, not {self.format!r}")
         if self.format == "csv" and self.header is False and not self.columns:
             raise ValueError("csv without a header needs `columns` (the column names in file order)")
         return self

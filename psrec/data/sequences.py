@@ -1,10 +1,20 @@
 """User -> item interaction files turned into SASRec/BST training and evaluation batches.
 
 Input: lines "user item" (integers, items >= 1; 0 is padding), each user's items in time order
-(MovieLens-1M as SASRec ships it: ../shared/data/ml-1m/ml-1m.txt). Split, as SASRec does (Kang &
-McAuley, ICDM'18, and its reference code): per user, the last item is the test target, the one
-before it the validation target, the rest the training sequence; users with fewer than 3 actions
-keep everything for training.
+(MovieLens-1M as SASRec ships it: ../shared/data/ml-1m/ml-1m.txt). Two leave-out splits
+(`Holdout`, the interactions source's ``holdout``):
+
+- ``"last_two"`` (SASRec: Kang & McAuley, ICDM'18, and its reference code): per user, the last item
+  is the test target, the one before it the validation target, the rest the training sequence;
+  users with fewer than 3 actions keep everything for training. Full ranking excludes every item of
+  the user's input sequence.
+- ``"last"`` (generative-recommenders, the HSTU paper's code: research/data/reco_dataset.py with
+  ``ignore_last_n=1`` for training, ``0`` for evaluation): the last item is held out, everything
+  before it is the training sequence; users with fewer than 2 actions keep everything. There is no
+  separate validation item: "valid" and "test" both rank the last item (selecting epochs on it
+  selects on test; the reference reports it at a fixed epoch count). Full ranking excludes only the
+  input window, the last ``max_length`` items the model reads (the reference's ``invalid_ids`` =
+  ``past_ids``), never the target.
 
 Training (`open_reader` with `DataSource(format="interactions")` and `sasrec_schema(max_length)`):
 one row per user whose training sequence has >= 2 items, row_id = user id. With s = the training
@@ -33,6 +43,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -58,6 +69,7 @@ USERS_PER_UNIT = 256
 _INTEGER = re.compile(rb"\t*-?[0-9]+\t*")  # pyarrow trims tabs around a number
 SEQUENCE_COLUMNS = ("seq", "pos", "neg")
 NEGATIVES = "negatives"  # the optional (B, N) sampled-softmax negatives
+Holdout = Literal["last_two", "last"]
 
 
 @dataclass(frozen=True)
@@ -72,9 +84,14 @@ class InteractionData:
     def history(self, index: int) -> np.ndarray:
         return self.items[self.offsets[index] : self.offsets[index + 1]]
 
-    def split(self, index: int) -> tuple[np.ndarray, int | None, int | None]:
-        """(training sequence, validation item, test item) of the user at `index` (leave-one-out)."""
+    def split(self, index: int, holdout: Holdout = "last_two") -> tuple[np.ndarray, int | None, int | None]:
+        """(training sequence, validation item, test item) of the user at `index` (module docstring:
+        with ``"last"`` the validation item is the test item)."""
         history = self.history(index)
+        if holdout == "last":
+            if history.size < 2:
+                return history, None, None
+            return history[:-1], int(history[-1]), int(history[-1])
         if history.size < 3:
             return history, None, None
         return history[:-2], int(history[-2]), int(history[-1])
@@ -187,7 +204,14 @@ class InteractionsFormat:
     """Training rows (one per user) for `open_reader`; see `psrec.data.reader.FormatReader`."""
 
     def __init__(
-        self, files: list[Path], schema: Schema, errors: BadRows, *, seed: int, allow_empty: bool = False
+        self,
+        files: list[Path],
+        schema: Schema,
+        errors: BadRows,
+        *,
+        seed: int,
+        allow_empty: bool = False,
+        holdout: Holdout = "last_two",
     ) -> None:
         available = {"label", "user", *SEQUENCE_COLUMNS, NEGATIVES}
         wanted = set(schema.label_names) | set(schema.feature_names)
@@ -197,11 +221,12 @@ class InteractionsFormat:
             )
         self.schema = schema
         self.seed = seed
+        self.holdout: Holdout = holdout
         self.num_negatives = next((f.max_length for f in schema.sequences if f.name == NEGATIVES), 0)
         files = [path for path in files if check_not_empty(str(path), allow_empty=allow_empty)]
         self.data = load_interactions(files, errors=errors)
         self.eligible = np.array(
-            [self.data.split(i)[0].size >= 2 for i in range(self.data.users.size)], dtype=bool
+            [self.data.split(i, holdout)[0].size >= 2 for i in range(self.data.users.size)], dtype=bool
         )
 
     def units(self) -> list[Unit]:
@@ -221,7 +246,7 @@ class InteractionsFormat:
             user = int(self.data.users[index])
             if not self.eligible[index] or (after is not None and user <= after):
                 continue
-            train = self.data.split(index)[0]
+            train = self.data.split(index, self.holdout)[0]
             users.append(user)
             inputs.append(train)
             rng = np.random.default_rng([self.seed, user])
@@ -252,16 +277,16 @@ class InteractionsFormat:
 
 
 def _held_out(
-    data: InteractionData, *, split: str, shard: int, num_shards: int
+    data: InteractionData, *, split: str, shard: int, num_shards: int, holdout: Holdout
 ) -> Iterator[tuple[int, int, np.ndarray, int]]:
     """(user index, user, input sequence, held-out item) of this shard's users with a held-out item."""
     if split not in ("valid", "test"):
         raise ValueError(f"split must be 'valid' or 'test', not {split!r}")
     for index in range(shard, data.users.size, num_shards):
-        train, valid, test = data.split(index)
+        train, valid, test = data.split(index, holdout)
         if valid is None or test is None:
             continue
-        if split == "valid":
+        if split == "valid" or holdout == "last":
             yield index, int(data.users[index]), train, valid
         else:
             yield index, int(data.users[index]), np.append(train, valid), int(test)
@@ -277,13 +302,15 @@ def evaluation_batches(
     seed: int = 0,
     shard: int = 0,
     num_shards: int = 1,
+    holdout: Holdout = "last_two",
 ) -> Iterator[Batch]:
     """Batches of users with a held-out item: "seq" (B, L) and "candidates" (B, 1 + num_negatives), target first.
 
     Users are sharded round-robin (user index mod num_shards); negatives come from rng(seed, user).
     """
     pending: list[tuple[int, np.ndarray, np.ndarray]] = []
-    for index, user, inputs, target in _held_out(data, split=split, shard=shard, num_shards=num_shards):
+    held_out = _held_out(data, split=split, shard=shard, num_shards=num_shards, holdout=holdout)
+    for index, user, inputs, target in held_out:
         rng = np.random.default_rng([seed, user, 1])
         negatives = sample_negatives(rng, num_negatives, data.num_items, data.history(index))
         pending.append((user, inputs, np.concatenate(([target], negatives))))
@@ -299,8 +326,8 @@ class FullRankingBatch:
     """Users to rank every item for: candidate column j is item j + 1 (items 1..num_items).
 
     ``batch``: "seq" (B, L) and "candidates" (1, num_items), shared by the batch; ``targets`` (B,) the
-    held-out items' columns; ``seen`` (B, num_items) the items of each user's input sequence (excluded
-    from the ranking, the target itself never; `psrec.trainer.metrics.full_ranks`).
+    held-out items' columns; ``seen`` (B, num_items) the items excluded from each user's ranking (its
+    input sequence, or only its input window; the target itself never: `psrec.trainer.metrics.full_ranks`).
     """
 
     batch: Batch
@@ -316,12 +343,14 @@ def full_ranking_batches(
     batch_size: int,
     shard: int = 0,
     num_shards: int = 1,
+    holdout: Holdout = "last_two",
 ) -> Iterator[FullRankingBatch]:
     """The users of `evaluation_batches` (same inputs, same order), each to rank all items.
 
-    The input sequence is the training sequence (+ the validation item for "test"), as in the sampled
-    protocol; the items in it are marked ``seen`` (the field's full-ranking protocol: a user's own
-    history is not recommended back).
+    The input sequence is the training sequence (+ the validation item for "test" under
+    ``"last_two"``), as in the sampled protocol. Marked ``seen``: with ``"last_two"`` every item in it
+    (SASRec's full-ranking protocol: a user's own history is not recommended back), with ``"last"``
+    only its last `max_length` items, the window the model reads (generative-recommenders').
     """
     all_items = np.arange(1, data.num_items + 1, dtype=np.int64)[None, :]  # (1, N)
     candidates = PaddedSequence(all_items, np.ones(all_items.shape, bool))
@@ -333,12 +362,14 @@ def full_ranking_batches(
         )
         batch.sequences["candidates"] = candidates
         seen = np.zeros((len(pending), data.num_items), bool)
-        rows = np.repeat(np.arange(len(pending)), [inputs.size for _, inputs, _ in pending])
-        seen[rows, np.concatenate([inputs for _, inputs, _ in pending]) - 1] = True
+        excluded = [inputs[-max_length:] if holdout == "last" else inputs for _, inputs, _ in pending]
+        rows = np.repeat(np.arange(len(pending)), [items.size for items in excluded])
+        seen[rows, np.concatenate(excluded) - 1] = True
         targets = np.array([target - 1 for _, _, target in pending], dtype=np.int64)
         return FullRankingBatch(batch, targets, seen)
 
-    for _, user, inputs, target in _held_out(data, split=split, shard=shard, num_shards=num_shards):
+    held_out = _held_out(data, split=split, shard=shard, num_shards=num_shards, holdout=holdout)
+    for _, user, inputs, target in held_out:
         pending.append((user, inputs, target))
         if len(pending) == batch_size:
             yield flush()

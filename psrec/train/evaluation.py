@@ -20,18 +20,20 @@ import numpy as np
 from psrec.trainer.metrics import auc, logloss, ranking_metrics
 
 Action = Literal["improved", "decay", "stop"]
+SAMPLED_CUTOFFS = (1, 5, 10)  # among 1 + 100 candidates
+FULL_CUTOFFS = (1, 5, 10, 50, 200)  # among every item: generative-recommenders' HR/NDCG@10, 50, 200
 
 
 def evaluation_metrics(parts: dict[str, np.ndarray]) -> dict[str, float]:
-    """AUC and logloss of ``{"labels", "scores"}``, or HR/NDCG/MRR at 1, 5, 10 of ``{"ranks"}``; and "rows".
+    """AUC and logloss of ``{"labels", "scores"}``, or HR/NDCG at 1, 5, 10 and MRR of ``{"ranks"}``; and "rows".
 
-    Ranks over all items (``"full_ranks"``, besides the sampled ``"ranks"``) add the same metrics
-    named ``full_hr@K``, ``full_ndcg@K``, ``full_mrr``.
+    Ranks over all items (``"full_ranks"``, besides the sampled ``"ranks"``) add ``full_hr@K`` and
+    ``full_ndcg@K`` at K = 1, 5, 10, 50, 200 and ``full_mrr``.
     """
     if "ranks" in parts:
-        metrics = {**ranking_metrics(parts["ranks"], ks=(1, 5, 10)), "rows": int(parts["ranks"].size)}
+        metrics = {**ranking_metrics(parts["ranks"], ks=SAMPLED_CUTOFFS), "rows": int(parts["ranks"].size)}
         if "full_ranks" in parts:
-            full = ranking_metrics(parts["full_ranks"], ks=(1, 5, 10))
+            full = ranking_metrics(parts["full_ranks"], ks=FULL_CUTOFFS)
             metrics.update({f"full_{name}": value for name, value in full.items()})
         return metrics
     labels, scores = parts["labels"], parts["scores"]

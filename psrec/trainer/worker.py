@@ -523,8 +523,9 @@ class TrainerWorker:
         """This trainer's share of `split`, evaluated without changing or growing any table.
 
         CTR models: {"scores", "labels"}. Ranking models (SASRec): {"ranks"} of each held-out item
-        among its 100 sampled negatives (leave-one-out on the training interactions file), and with
-        ``training.full_ranking`` {"full_ranks"} among all items, the user's input items excluded.
+        among its 100 sampled negatives (held out of the training interactions file as its
+        ``holdout`` says), and with ``training.full_ranking`` {"full_ranks"} among all items, the
+        user's input items excluded (`psrec.data.sequences.full_ranking_batches`).
         """
         self.runner.flush()
         if self.config.model.ranks_items:
@@ -575,6 +576,7 @@ class TrainerWorker:
             batch_size=self.config.training.eval_batch_size,
             shard=self.trainer_index,
             num_shards=self.world_size,
+            holdout=self._file_source("train").holdout,
         )
         batches = evaluation_batches(self._interactions, seed=self.config.training.seed, **users)  # type: ignore[arg-type]
         ranks = [sampled_ranks(self.runner.predict(batch)) for batch in batches]

@@ -2,7 +2,9 @@
 
 The NumPy oracle scores every item by the dot product of the model's last hidden state with the item
 rows the parameter server holds, drops the items of the user's input sequence (never the target)
-and counts the items scoring at least the target's; HR@K / NDCG@K follow from those ranks.
+and counts the items scoring at least the target's; HR@K / NDCG@K follow from those ranks. Both
+holdouts: SASRec's "last_two" (the whole input excluded) and generative-recommenders' "last" (train
+on all but the last item, rank the last, only the input window of `max_length` items excluded).
 
     pytest tests/train/test_sequence_full_ranking.py
 """
@@ -17,6 +19,8 @@ import pytest
 import torch
 
 from psrec.config import parse_config
+from psrec.data.reader import open_reader
+from psrec.data.schema import DataSource
 from psrec.data.sequences import (
     evaluation_batches,
     full_ranking_batches,
@@ -83,12 +87,44 @@ def test_full_ranking_batches_hold_the_sampled_protocols_users_and_their_input_i
             np.testing.assert_array_equal(np.flatnonzero(seen) + 1, np.unique(inputs))
 
 
+def test_holdout_last_trains_on_all_but_the_last_item_and_ranks_the_last(interactions: Path) -> None:
+    data = load_interactions([interactions])
+    source = DataSource(format="interactions", paths=[str(interactions)], holdout="last")
+    with open_reader(source, sasrec_schema(LENGTH), batch_size=100, seed=4) as reader:
+        [batch] = list(reader)
+    for row, user in enumerate(batch.row_ids.tolist()):
+        history = data.history(int(np.searchsorted(data.users, user)))
+        train = history[:-1][-(LENGTH + 1) :]
+        sequence = batch.sequences["seq"]
+        np.testing.assert_array_equal(sequence.ids[row][sequence.mask[row]], train[:-1])
+        np.testing.assert_array_equal(batch.sequences["pos"].ids[row][sequence.mask[row]], train[1:])
+    assert batch.row_ids.tolist() == list(range(1, 26))  # user 26: one item before its last, no pair
+    for split in ("valid", "test"):  # the same users, inputs and targets: there is no validation item
+        sampled = list(
+            evaluation_batches(data, split=split, max_length=LENGTH, batch_size=7, seed=1, holdout="last")
+        )
+        full = list(full_ranking_batches(data, split=split, max_length=LENGTH, batch_size=7, holdout="last"))
+        assert [b.batch_size for b in sampled] == [7, 7, 7, 5]  # user 26 is ranked too
+        for want, got in zip(sampled, full, strict=True):
+            for row, user in enumerate(got.batch.row_ids.tolist()):
+                history = data.history(int(np.searchsorted(data.users, user)))
+                assert want.sequences["candidates"].ids[row, 0] == history[-1] == got.targets[row] + 1
+                np.testing.assert_array_equal(
+                    np.flatnonzero(got.seen[row]) + 1, np.unique(history[:-1][-LENGTH:])
+                )
+    with pytest.raises(ValueError, match="holdout applies to format 'interactions' only"):
+        DataSource(format="parquet", paths=["x"], holdout="last")
+
+
+@pytest.mark.parametrize("holdout", ["last_two", "last"])
 def test_full_ranking_run_equals_a_numpy_ranking_and_leaves_the_sampled_metrics(
-    interactions: Path, tmp_path: Path
+    interactions: Path, tmp_path: Path, holdout: str
 ) -> None:
     from psrec.train.runtime import LocalRuntime
 
-    sources: dict[str, Any] = {"train": {"format": "interactions", "paths": [str(interactions)]}}
+    sources: dict[str, Any] = {
+        "train": {"format": "interactions", "paths": [str(interactions)], "holdout": holdout}
+    }
     config = parse_config(
         {
             "run_dir": str(tmp_path),
@@ -126,10 +162,11 @@ def test_full_ranking_run_equals_a_numpy_ranking_and_leaves_the_sampled_metrics(
         users, inputs = [], []
         for index in range(data.users.size):
             history = data.history(index)
-            if history.size >= 3:
+            if history.size >= (2 if holdout == "last" else 3):
                 users.append(index)
-                inputs.append(history[:-2] if split == "valid" else history[:-1])
-        targets = np.array([data.history(index)[-2 if split == "valid" else -1] for index in users])
+                inputs.append(history[:-2] if split == "valid" and holdout == "last_two" else history[:-1])
+        held_out = -2 if split == "valid" and holdout == "last_two" else -1
+        targets = np.array([data.history(index)[held_out] for index in users])
         sequences = np.zeros((len(users), LENGTH), np.int64)
         for row, items in enumerate(inputs):
             kept = items[-LENGTH:]
@@ -145,10 +182,12 @@ def test_full_ranking_run_equals_a_numpy_ranking_and_leaves_the_sampled_metrics(
                 )
             )["hidden"][:, -1].numpy()
         scores = hidden.astype(np.float64) @ table[1:].astype(np.float64).T  # (B, N)
-        want = numpy_full_ranks(scores, targets, inputs)
+        excluded = [items[-LENGTH:] for items in inputs] if holdout == "last" else inputs
+        want = numpy_full_ranks(scores, targets, excluded)
         np.testing.assert_array_equal(parts[name]["full_ranks"], want)
         metrics = evaluation_metrics(parts[name])
-        for k in (1, 5, 10):
+        assert metrics["full_mrr"] == pytest.approx(float(np.mean(1 / (want + 1))))
+        for k in (1, 5, 10, 50, 200):
             hr, ndcg = numpy_hr_ndcg(want, k)
             assert metrics[f"full_hr@{k}"] == pytest.approx(hr)
             assert metrics[f"full_ndcg@{k}"] == pytest.approx(ndcg)
