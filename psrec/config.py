@@ -25,8 +25,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from psrec.data.kafka_source import KafkaSource
-from psrec.data.schema import DataSource, Schema
+from psrec.data.schema import DataSource, KafkaSource, Schema
 from psrec.models.config import ModelConfig
 
 

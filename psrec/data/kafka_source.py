@@ -50,28 +50,22 @@ import numpy as np
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError
 from confluent_kafka import TopicPartition as KafkaPartition
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from psrec.data.background import InputGate, checkpoint
 from psrec.data.batch import Batch
 from psrec.data.errors import BadRows
 from psrec.data.features import prepare_table, table_to_batch
 from psrec.data.message_format import (
-    AvroFraming,
     AvroMessages,
     MessageDecoder,
-    MessageFormat,
-    load_avro_schema,
 )
 from psrec.data.reader import BatchReader
-from psrec.data.schema import Schema
+from psrec.data.schema import PARTITION_BITS, KafkaSource, Schema
 from psrec.data.units import OFFSET_BITS
 
 logger = logging.getLogger(__name__)
 
 POSITION_VERSION = 1
-PARTITION_BITS = 16
-MAX_TOPICS = 1 << (63 - OFFSET_BITS - PARTITION_BITS)  # row ids stay non-negative int64
 MAX_MESSAGES_PER_POLL = 10_000
 METADATA_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 10.0
@@ -86,70 +80,6 @@ _FATAL_CODES = {
     KafkaError.OFFSET_OUT_OF_RANGE,
 }
 Until = Mapping[str, Mapping[Any, int]] | Literal["end"] | None
-
-
-class KafkaSource(BaseModel):
-    """Where the stream comes from and how its messages read (validated like `DataSource`; in a run
-    config it is `data.train` with `format: kafka`, see docs/streaming.md).
-
-    `client`: more librdkafka settings (security, SASL, fetch sizes, `group.id`); psrec sets
-    `enable.auto.commit: false` and explicit offsets whatever they say. `columns` and `delimiter`
-    apply to csv/tsv messages (see `psrec.data.message_format`). `poll_timeout_s`: the longest one
-    poll of the broker waits (also how soon a closed reader notices).
-
-    Avro messages (`message_format: avro`) need `avro_schema`, their record schema: the schema as a
-    mapping, its JSON text, or the path of an .avsc file, which is read when the source is
-    validated (the source then holds the schema itself, so trainers elsewhere need no file).
-    `avro_framing`: "confluent" (default; magic byte 0 and a 4-byte schema id before each record,
-    as Confluent's serializers write) or "plain" (bare records). `avro_schema_id`: with the
-    Confluent framing, the one schema id accepted (a message of another is a bad row); the id is
-    never looked up in a schema registry: `avro_schema` reads every message.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    format: Literal["kafka"] = "kafka"  # tells it from a file `DataSource` in a run config's data.train
-    bootstrap_servers: str = Field(min_length=1)
-    topics: list[str] = Field(min_length=1, max_length=MAX_TOPICS)
-    message_format: MessageFormat = "json"
-    columns: list[str] | None = None
-    delimiter: str | None = Field(default=None, min_length=1, max_length=1)
-    avro_schema: dict[str, Any] | None = None
-    avro_framing: AvroFraming = "confluent"
-    avro_schema_id: int | None = Field(default=None, ge=0, lt=1 << 32)
-    on_error: Literal["raise", "skip"] = "raise"
-    client: dict[str, str | int | float | bool] = {}
-    poll_timeout_s: float = Field(default=0.5, gt=0)
-
-    @field_validator("avro_schema", mode="before")
-    @classmethod
-    def _load_avro_schema(cls, value: Any) -> Any:
-        return value if value is None or not isinstance(value, dict | str) else load_avro_schema(value)
-
-    @model_validator(mode="after")
-    def _check(self) -> KafkaSource:
-        if len(set(self.topics)) != len(self.topics):
-            raise ValueError(f"topics named twice: {self.topics}")
-        text = self.message_format in ("csv", "tsv")
-        if not text and (self.columns is not None or self.delimiter is not None):
-            raise ValueError(f"columns and delimiter apply to csv/tsv messages, not {self.message_format}")
-        avro = self.message_format == "avro"
-        if avro and self.avro_schema is None:
-            raise ValueError(
-                "message_format avro needs avro_schema: the record schema (a mapping, its JSON text, "
-                "or the path of an .avsc file)"
-            )
-        changed = {  # from their defaults (a dumped source holds every field, set or not)
-            "avro_schema": self.avro_schema is not None,
-            "avro_framing": self.avro_framing != "confluent",
-            "avro_schema_id": self.avro_schema_id is not None,
-        }
-        given = [name for name, differs in changed.items() if differs]
-        if not avro and given:
-            raise ValueError(f"{', '.join(given)} apply to avro messages, not {self.message_format}")
-        if self.avro_schema_id is not None and self.avro_framing != "confluent":
-            raise ValueError("avro_schema_id is the Confluent framing's schema id: plain records carry none")
-        return self
 
 
 def partitions_for(

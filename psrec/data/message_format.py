@@ -46,19 +46,22 @@ import io
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from psrec.data.errors import BadRows, Policy
 from psrec.data.features import ROW_ID, bad_rows, text_column_types
-from psrec.data.schema import Schema, SequenceFeature, SparseFeature
+from psrec.data.schema import (
+    AvroFraming,
+    MessageFormat,
+    Schema,
+    SequenceFeature,
+    SparseFeature,
+)
 from psrec.data.text_format import parse_failure, parse_lines
 
-MessageFormat = Literal["json", "csv", "tsv", "avro"]
-AvroFraming = Literal["confluent", "plain"]
 INT64_MAX = (1 << 63) - 1
 Locate = Callable[[int], tuple[str, str]]  # message index -> (source, location), as BadRows reports them
 RESOLVE = "set on_error: skip to count bad messages and go on"
@@ -85,37 +88,6 @@ class AvroMessages:
     schema: Mapping[str, Any]
     framing: AvroFraming = "confluent"
     schema_id: int | None = None
-
-
-def load_avro_schema(value: Mapping[str, Any] | str) -> dict[str, Any]:
-    """An Avro record schema, checked (fastavro parses it, its type is "record"), as a plain JSON
-    mapping: `value` is the schema itself, its JSON text, or the path of an .avsc file holding it."""
-    import fastavro  # here, not at the top: only Avro sources pay for its import
-
-    if isinstance(value, str):
-        text = value
-        if not value.lstrip().startswith("{"):
-            try:
-                text = Path(value).read_text()
-            except OSError as error:
-                raise ValueError(
-                    f"cannot read the Avro schema file {value!r}: {error.strerror} (give a path to an "
-                    ".avsc file, or the schema itself as a JSON object)"
-                ) from None
-        try:
-            value = json.loads(text)
-        except ValueError as error:
-            raise ValueError(f"the Avro schema is not valid JSON: {error}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"an Avro record schema (a JSON object) expected, got {type(value).__name__}")
-    schema = json.loads(json.dumps(value))  # a plain copy; fails on what JSON cannot hold
-    if schema.get("type") != "record":
-        raise ValueError(f"an Avro schema of type 'record' expected, got type {schema.get('type')!r}")
-    try:
-        fastavro.parse_schema(schema)
-    except Exception as error:  # noqa: BLE001 - fastavro raises several types for a bad schema
-        raise ValueError(f"not a valid Avro schema: {type(error).__name__}: {error}") from None
-    return dict(schema)
 
 
 def _named_types(avro_type: Any, named: dict[str, Any]) -> dict[str, Any]:

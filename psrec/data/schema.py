@@ -32,12 +32,16 @@ which first clamps negatives to 0 (Criteo's -1 counts become 0, as in DLRM's pre
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from psrec.data.namespaces import namespace_tag
+from psrec.data.units import OFFSET_BITS
 
 CRITEO_LABEL = "label"
 CRITEO_DENSE = tuple(f"I{i}" for i in range(1, 14))
@@ -259,3 +263,103 @@ class DataSource(_Strict):
         if self.columns is not None:
             return list(self.columns)
         return list(CRITEO_COLUMNS) if self.format == "criteo_tsv" else None
+
+
+# Kafka row ids: ((topic_index << PARTITION_BITS) | partition) << OFFSET_BITS | offset (psrec.data.kafka_source)
+PARTITION_BITS = 16
+MAX_TOPICS = 1 << (63 - OFFSET_BITS - PARTITION_BITS)  # row ids stay non-negative int64
+MessageFormat = Literal["json", "csv", "tsv", "avro"]
+AvroFraming = Literal["confluent", "plain"]
+
+
+def load_avro_schema(value: Mapping[str, Any] | str) -> dict[str, Any]:
+    """An Avro record schema, checked (fastavro parses it, its type is "record"), as a plain JSON
+    mapping: `value` is the schema itself, its JSON text, or the path of an .avsc file holding it."""
+    import fastavro  # here, not at the top: only Avro sources pay for its import
+
+    if isinstance(value, str):
+        text = value
+        if not value.lstrip().startswith("{"):
+            try:
+                text = Path(value).read_text()
+            except OSError as error:
+                raise ValueError(
+                    f"cannot read the Avro schema file {value!r}: {error.strerror} (give a path to an "
+                    ".avsc file, or the schema itself as a JSON object)"
+                ) from None
+        try:
+            value = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"the Avro schema is not valid JSON: {error}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"an Avro record schema (a JSON object) expected, got {type(value).__name__}")
+    schema = json.loads(json.dumps(value))  # a plain copy; fails on what JSON cannot hold
+    if schema.get("type") != "record":
+        raise ValueError(f"an Avro schema of type 'record' expected, got type {schema.get('type')!r}")
+    try:
+        fastavro.parse_schema(schema)
+    except Exception as error:  # noqa: BLE001 - fastavro raises several types for a bad schema
+        raise ValueError(f"not a valid Avro schema: {type(error).__name__}: {error}") from None
+    return dict(schema)
+
+
+class KafkaSource(_Strict):
+    """Where the stream comes from and how its messages read (validated like `DataSource`; in a run
+    config it is `data.train` with `format: kafka`, see docs/streaming.md).
+
+    `client`: more librdkafka settings (security, SASL, fetch sizes, `group.id`); psrec sets
+    `enable.auto.commit: false` and explicit offsets whatever they say. `columns` and `delimiter`
+    apply to csv/tsv messages (see `psrec.data.message_format`; read by `psrec.data.kafka_source`). `poll_timeout_s`: the longest one
+    poll of the broker waits (also how soon a closed reader notices).
+
+    Avro messages (`message_format: avro`) need `avro_schema`, their record schema: the schema as a
+    mapping, its JSON text, or the path of an .avsc file, which is read when the source is
+    validated (the source then holds the schema itself, so trainers elsewhere need no file).
+    `avro_framing`: "confluent" (default; magic byte 0 and a 4-byte schema id before each record,
+    as Confluent's serializers write) or "plain" (bare records). `avro_schema_id`: with the
+    Confluent framing, the one schema id accepted (a message of another is a bad row); the id is
+    never looked up in a schema registry: `avro_schema` reads every message.
+    """
+
+    format: Literal["kafka"] = "kafka"  # tells it from a file `DataSource` in a run config's data.train
+    bootstrap_servers: str = Field(min_length=1)
+    topics: list[str] = Field(min_length=1, max_length=MAX_TOPICS)
+    message_format: MessageFormat = "json"
+    columns: list[str] | None = None
+    delimiter: str | None = Field(default=None, min_length=1, max_length=1)
+    avro_schema: dict[str, Any] | None = None
+    avro_framing: AvroFraming = "confluent"
+    avro_schema_id: int | None = Field(default=None, ge=0, lt=1 << 32)
+    on_error: Literal["raise", "skip"] = "raise"
+    client: dict[str, str | int | float | bool] = {}
+    poll_timeout_s: float = Field(default=0.5, gt=0)
+
+    @field_validator("avro_schema", mode="before")
+    @classmethod
+    def _load_avro_schema(cls, value: Any) -> Any:
+        return value if value is None or not isinstance(value, dict | str) else load_avro_schema(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> KafkaSource:
+        if len(set(self.topics)) != len(self.topics):
+            raise ValueError(f"topics named twice: {self.topics}")
+        text = self.message_format in ("csv", "tsv")
+        if not text and (self.columns is not None or self.delimiter is not None):
+            raise ValueError(f"columns and delimiter apply to csv/tsv messages, not {self.message_format}")
+        avro = self.message_format == "avro"
+        if avro and self.avro_schema is None:
+            raise ValueError(
+                "message_format avro needs avro_schema: the record schema (a mapping, its JSON text, "
+                "or the path of an .avsc file)"
+            )
+        changed = {  # from their defaults (a dumped source holds every field, set or not)
+            "avro_schema": self.avro_schema is not None,
+            "avro_framing": self.avro_framing != "confluent",
+            "avro_schema_id": self.avro_schema_id is not None,
+        }
+        given = [name for name, differs in changed.items() if differs]
+        if not avro and given:
+            raise ValueError(f"{', '.join(given)} apply to avro messages, not {self.message_format}")
+        if self.avro_schema_id is not None and self.avro_framing != "confluent":
+            raise ValueError("avro_schema_id is the Confluent framing's schema id: plain records carry none")
+        return self

@@ -82,8 +82,7 @@ import pyarrow.parquet as pq
 from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from psrec.data.message_format import MessageFormat
-from psrec.data.schema import DenseFeature, Schema, SparseFeature
+from psrec.data.schema import DenseFeature, MessageFormat, Schema, SparseFeature
 
 logger = logging.getLogger(__name__)
 

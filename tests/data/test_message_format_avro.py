@@ -28,9 +28,16 @@ from psrec.data.batch import Batch
 from psrec.data.errors import BadRowError, BadRows
 from psrec.data.features import ROW_ID, prepare_table, table_to_batch
 from psrec.data.kafka_source import KafkaSource, open_kafka_reader
-from psrec.data.message_format import AvroMessages, MessageDecoder, check_avro_columns, load_avro_schema
+from psrec.data.message_format import AvroMessages, MessageDecoder, check_avro_columns
 from psrec.data.reader import open_reader
-from psrec.data.schema import DataSource, DenseFeature, Schema, SequenceFeature, SparseFeature
+from psrec.data.schema import (
+    DataSource,
+    DenseFeature,
+    Schema,
+    SequenceFeature,
+    SparseFeature,
+    load_avro_schema,
+)
 from psrec.data.synth import criteo_schema, write_synthetic_criteo
 from psrec.testing.kafka_broker import KafkaBroker
 

@@ -26,9 +26,8 @@ from confluent_kafka import Consumer, TopicPartition
 from psrec.cli import main
 from psrec.data.batch import Batch, concat_batches
 from psrec.data.kafka_source import KafkaSource, open_kafka_reader
-from psrec.data.message_format import MessageFormat
 from psrec.data.reader import open_reader
-from psrec.data.schema import DataSource
+from psrec.data.schema import DataSource, MessageFormat
 from psrec.data.stream_synth import (
     COLUMNS,
     EVENT_TIME,
