@@ -83,6 +83,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from psrec.data.schema import DenseFeature, MessageFormat, Schema, SparseFeature
+from psrec.data.synth import splitmix64
 
 logger = logging.getLogger(__name__)
 
@@ -134,24 +135,15 @@ def drifting_ctr_schema() -> Schema:
     )
 
 
-def _splitmix(values: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over a uint64 array (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = values + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
 def _key(seed: int, salt: int) -> np.uint64:
     """A 64-bit key per (seed, salt), mixed so that nearby seeds and salts give unrelated keys."""
-    mixed = _splitmix(np.array([(seed * 0x100000001B3 + salt) & _MASK64], dtype=np.uint64))
-    return np.uint64(_splitmix(mixed)[0])
+    mixed = splitmix64(np.array([(seed * 0x100000001B3 + salt) & _MASK64], dtype=np.uint64))
+    return np.uint64(splitmix64(mixed)[0])
 
 
 def _uniform(seed: int, salt: int, values: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) per (seed, salt, value) for non-negative int64 `values`, a pure function."""
-    bits = _splitmix(values.astype(np.uint64) ^ _key(seed, salt)) >> np.uint64(11)
+    bits = splitmix64(values.astype(np.uint64) ^ _key(seed, salt)) >> np.uint64(11)
     return bits.astype(np.float64) / float(1 << 53)
 
 
@@ -299,7 +291,7 @@ def event_partitions(
     if key not in ("user", "item"):
         raise ValueError(f"key must be 'user', 'item' or 'none', not {key!r}")
     ids = table.column(key).to_numpy()
-    return (_splitmix(ids.astype(np.uint64) ^ _key(0, _PARTITION)) % np.uint64(partitions)).astype(np.int64)
+    return (splitmix64(ids.astype(np.uint64) ^ _key(0, _PARTITION)) % np.uint64(partitions)).astype(np.int64)
 
 
 def _text(value: Any) -> str:

@@ -69,8 +69,8 @@ def criteo_schema(*, table_per_feature: bool = True, shared_table: str = "criteo
     )
 
 
-def _splitmix(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic): a well-mixed hash of each value."""
     with np.errstate(over="ignore"):
         z = values + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -81,7 +81,7 @@ def _splitmix(values: np.ndarray) -> np.ndarray:
 def _uniform(feature: int, salt: int, ranks: np.ndarray) -> np.ndarray:
     """Deterministic uniform(-1, 1) per (feature, salt, rank), the hidden model's parameters."""
     key = ranks.astype(np.uint64) ^ np.uint64(((feature + 1) * 0x1000193 + salt * 0x9E37) << 32)
-    bits = _splitmix(key) >> np.uint64(11)
+    bits = splitmix64(key) >> np.uint64(11)
     return bits.astype(np.float64) / float(1 << 53) * 2.0 - 1.0
 
 
