@@ -5,7 +5,7 @@
     curl -s 127.0.0.1:8000/ -d '{"rows": [{"user": 12, "item": 7, ...}]}'
 
 Endpoints: ``POST /`` scores rows (`psrec.serve.requests` describes the body; the response is
-``{"version": ..., "scores": [...]}`` or, for SASRec, ``{"version", "items", "scores"}`` top-k per
+``{"version": ..., "scores": [...]}`` or, for SASRec and HSTU, ``{"version", "items", "scores"}`` top-k per
 row); ``GET /version`` names the served version and the features a row carries.
 
 Every replica (`ModelServer`) loads the export itself, validates each request (a bad one gets

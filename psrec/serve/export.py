@@ -12,7 +12,9 @@ transforms), the feature -> table maps, and the version: the checkpoint's step, 
 The programs take the model input as plain tensors (``dense`` (B, num_dense), ``pooled``
 (B, F, D), ``linear`` (B, F) or None, ``sequences`` / ``masks`` dicts) and return what the
 model's ``predict`` returns: click probabilities (B,) for CTR models and BST, candidate logits
-(B, C) for SASRec (``catalogue.pt2``: (B, N) against one shared (N, D) matrix).
+(B, C) for the next-item models SASRec and HSTU (``catalogue.pt2``: (B, N) against one shared
+(N, D) matrix). HSTU is exported on its padded path (``jagged: false``, the same weights; the
+packed path's lengths decide its shapes, which `torch.export` cannot trace).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from psrec.checkpoint.policy import CheckpointRef
 from psrec.config import ConfigError, RunConfig, parse_config
 from psrec.embedding.state import TableDelta, TableState
 from psrec.models.base import ModelInput
+from psrec.models.config import HSTUConfig
 from psrec.serve.model_dir import (
     CATALOGUE_FILE,
     MODEL_FILE,
+    NEXT_ITEM,
     ExportContents,
     ExportError,
     program_bytes,
@@ -72,8 +76,18 @@ class ProgramInput(nn.Module):
 
 
 def model_kind(config: RunConfig) -> str:
-    """ "sasrec" (next-item ranking), "bst" (CTR over a behaviour sequence) or "ctr"."""
-    return config.model.name if config.model.name in ("sasrec", "bst") else "ctr"
+    """ "next_item" (SASRec, HSTU: ranking items after a history), "bst" (CTR over a behaviour
+    sequence) or "ctr"."""
+    if config.model.ranks_items:
+        return NEXT_ITEM
+    return "bst" if config.model.name == "bst" else "ctr"
+
+
+def servable_config(config: RunConfig) -> RunConfig:
+    """The config whose model `torch.export` can trace: HSTU on its padded path (same weights)."""
+    if isinstance(config.model, HSTUConfig) and config.model.jagged:
+        return config.model_copy(update={"model": config.model.model_copy(update={"jagged": False})})
+    return config
 
 
 def example_inputs(
@@ -85,15 +99,15 @@ def example_inputs(
     batch = torch.export.Dim.DYNAMIC
     kind = model_kind(config)
     generator = torch.Generator().manual_seed(0)
-    num_sparse = 0 if kind == "sasrec" else len(schema.sparse)
-    num_dense = 0 if kind == "sasrec" else len(schema.dense)
+    num_sparse = 0 if kind == NEXT_ITEM else len(schema.sparse)
+    num_dense = 0 if kind == NEXT_ITEM else len(schema.dense)
     dense = torch.randn(b, num_dense, generator=generator)
     pooled = torch.randn(b, num_sparse, dim, generator=generator)
     linear = torch.randn(b, num_sparse, generator=generator) if builders.uses_linear_terms(config) else None
     sequences: dict[str, torch.Tensor] = {}
     masks: dict[str, torch.Tensor] = {}
     sequence_shapes: dict[str, Any] = {}
-    if kind == "sasrec":
+    if kind == NEXT_ITEM:
         length = config.model.max_length  # type: ignore[union-attr]
         sequences["seq"] = torch.randn(b, length, dim, generator=generator)
         masks["seq"] = torch.ones(b, length, dtype=torch.bool)
@@ -122,10 +136,11 @@ def example_inputs(
 
 
 def export_programs(model: nn.Module, config: RunConfig, *, dim: int) -> dict[str, bytes]:
-    """`torch.export` programs of ``model`` (eval mode): ``model.pt2`` (+ ``catalogue.pt2`` for SASRec)."""
+    """`torch.export` programs of ``model`` (eval mode; built from `servable_config`): ``model.pt2``
+    (+ ``catalogue.pt2`` for next-item models)."""
     model.eval()
     wrapper = ProgramInput(model).eval()
-    variants = [(MODEL_FILE, False)] + ([(CATALOGUE_FILE, True)] if model_kind(config) == "sasrec" else [])
+    variants = [(MODEL_FILE, False)] + ([(CATALOGUE_FILE, True)] if model_kind(config) == NEXT_ITEM else [])
     out = {}
     for name, catalogue in variants:
         arguments, shapes = example_inputs(config, dim=dim, catalogue=catalogue)
@@ -311,7 +326,7 @@ def build_contents(
     tables = load_tables(chain, precision=precision)
     dense = load_checkpoint(chain[-1], shards=[]).dense
     torch.manual_seed(config.training.seed)
-    model = builders.build_model_for(config)
+    model = builders.build_model_for(servable_config(config))
     try:
         model.load_state_dict(dense["model"])
     except (KeyError, RuntimeError) as error:

@@ -4,10 +4,11 @@
 
     MODEL_DIR/
       model.pt2              the dense model as a `torch.export` program (loads with torch alone)
-      catalogue.pt2          SASRec only: the same model scoring one shared (N, D) candidate matrix
+      catalogue.pt2          next-item models (SASRec, HSTU) only: the same model scoring one shared
+                             (N, D) candidate matrix
       tables/<table>.npz     per embedding table: sorted ids, rows at the export precision
                              (+ per-row scale and offset at int8); no optimizer state
-      serving.json           model name, feature schema (hashing namespaces, dense transforms),
+      serving.json           model name and kind, feature schema (hashing namespaces, dense transforms),
                              feature -> table maps, table sources, precision, the checkpoint it came from
       manifest.json          written LAST: format version, model version, sha256 and size of every
                              other file, and a checksum of itself. A directory without an intact
@@ -38,12 +39,13 @@ from psrec.checkpoint import files
 from psrec.storage import Location, StorageError, StoragePath, location
 
 EXPORT_FORMAT = "psrec-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: serving.json's kind "next_item" (SASRec and HSTU), formerly "sasrec"
 MANIFEST_FILE = "manifest.json"
 SERVING_FILE = "serving.json"
 MODEL_FILE = "model.pt2"
 CATALOGUE_FILE = "catalogue.pt2"
 TABLES_DIR = "tables"
+NEXT_ITEM = "next_item"  # serving.json's kind of the models that rank items after a history
 
 
 class ExportError(Exception):

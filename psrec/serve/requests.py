@@ -3,7 +3,7 @@
 A request body is a JSON object::
 
     {"rows": [{"user": 12, "item": 7, "daytime": 3, ...}, ...]}          CTR models (and BST)
-    {"rows": [{"seq": [12, 40, 7], "candidates": [5, 9, 31]}], "k": 2}   SASRec (candidates optional)
+    {"rows": [{"seq": [12, 40, 7], "candidates": [5, 9, 31]}], "k": 2}   SASRec, HSTU (candidates optional)
     {"rows": [{"user": 17, "history": [3, 9]}], "k": 10, "catalogue": true}   BST over every item
 
 Every row names every feature the model reads, with the value as it appears in the training data:
@@ -32,6 +32,7 @@ from psrec.data.batch import Batch
 from psrec.data.feature_hashing import MAX_PASSTHROUGH_ID, hash_values
 from psrec.data.features import ROW_ID, prepare_table, table_to_batch
 from psrec.data.schema import Schema, SequenceFeature, SparseFeature
+from psrec.serve.model_dir import NEXT_ITEM
 
 DEFAULT_MAX_ROWS = 4096
 DEFAULT_K = 10
@@ -56,7 +57,7 @@ class RequestSpec:
     """What rows of one model carry: its serving schema, and whether/what candidates it ranks."""
 
     schema: Schema  # the features the model reads (labels are not part of a request)
-    kind: str  # "ctr", "bst" or "sasrec"
+    kind: str  # "ctr", "bst" or "next_item"
     candidate_feature: SparseFeature | SequenceFeature | None  # how candidate values become ids
     max_rows: int = DEFAULT_MAX_ROWS
 
@@ -86,8 +87,8 @@ class ParsedRequest:
 
 
 def serving_schema(schema: Schema, kind: str, *, sequence_name: str | None = None) -> Schema:
-    """The part of the training schema a request carries: SASRec reads "seq", BST its history."""
-    if kind == "sasrec":
+    """The part of the training schema a request carries: next-item models read "seq", BST its history."""
+    if kind == NEXT_ITEM:
         sequences = [f for f in schema.sequences if f.name == "seq"]
         return Schema(label=schema.label, sequences=sequences)
     if kind == "bst":
@@ -178,7 +179,7 @@ def parse_request(body: dict[str, Any], spec: RequestSpec) -> ParsedRequest:
         }
     )
     batch = table_to_batch(spec.schema, prepare_table(spec.schema, table))
-    if spec.kind == "sasrec":  # the model reads the last position of the history: it needs one
+    if spec.kind == NEXT_ITEM:  # the model reads the last position of the history: it needs one
         for name, padded in batch.sequences.items():
             empty = np.flatnonzero(~padded.mask.any(axis=1))
             if empty.size:

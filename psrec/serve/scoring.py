@@ -29,6 +29,7 @@ from psrec.data.schema import Schema
 from psrec.serve.model_dir import (
     CATALOGUE_FILE,
     MODEL_FILE,
+    NEXT_ITEM,
     ExportContents,
     load_program,
     read_model_dir,
@@ -73,7 +74,7 @@ def request_spec_of(serving: dict[str, Any], *, max_rows: int | None = None) -> 
         Schema.model_validate(serving["schema"]), kind, sequence_name=serving["model"].get("sequence_name")
     )
     candidate_feature: Any = None
-    if kind == "sasrec":
+    if kind == NEXT_ITEM:
         candidate_feature = next(f for f in schema.sequences if f.name == "seq")
     elif kind == "bst":  # candidates replace the target item feature
         candidate_feature = schema.sparse[serving["model"]["target_feature_index"]]
@@ -191,7 +192,7 @@ class ServingModel:
     def candidate_logits(
         self, batch: Batch, candidates: np.ndarray, *, version: ModelVersion | None = None
     ) -> np.ndarray:
-        """SASRec logits (B, C) of per-row candidate ids (B, C)."""
+        """Next-item logits (B, C) of per-row candidate ids (B, C)."""
         version = version or self._version
         dense, pooled, linear, sequences, masks = self.model_input(version, batch)
         table = self.sequence_tables["candidates"]
@@ -202,7 +203,7 @@ class ServingModel:
     def catalogue_logits(
         self, batch: Batch, *, version: ModelVersion | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(catalogue ids (N,), SASRec logits (B, N)) against every item the item table holds."""
+        """(catalogue ids (N,), next-item logits (B, N)) against every item the item table holds."""
         version = version or self._version
         dense, pooled, linear, sequences, masks = self.model_input(version, batch)
         table = version.tables[self.sequence_tables["candidates"]]
@@ -273,7 +274,7 @@ class ServingModel:
             ]
         if self.kind == "bst" and any(request.groups for request in requests):
             return self._ranked_by_target(requests, self.score_batch(batch, version=version), starts, base)
-        if self.kind != "sasrec":
+        if self.kind != NEXT_ITEM:
             probabilities = self.score_batch(batch, version=version)
             return [
                 {

@@ -1,5 +1,5 @@
-"""Small trained runs for the serving tests: DeepFM on synthetic Criteo-shaped data, SASRec on a
-synthetic interactions file; each trained once per session in process, checkpoints kept."""
+"""Small trained runs for the serving tests: DeepFM on synthetic Criteo-shaped data, SASRec and HSTU
+on a synthetic interactions file; each trained once per session in process, checkpoints kept."""
 
 from __future__ import annotations
 
@@ -77,6 +77,45 @@ def sasrec_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data = root / "interactions.txt"
     write_interactions(data, users=500, items=120, seed=0)
     config = sasrec_config(root / "run", data)
+    train(config)
+    return {"config": config, "run_dir": root / "run", "data": data}
+
+
+def hstu_config(run_dir: Path, data: Path) -> RunConfig:
+    """A small HSTU (2 blocks, 2 heads) with the sampled softmax over 16 negatives per user."""
+    length = 12
+    sequences = [
+        {"name": name, "table": "items", "max_length": size, "hashed": False, "namespace": "item"}
+        for name, size in (("seq", length), ("pos", length), ("negatives", 16))
+    ]
+    config = {
+        "run_dir": str(run_dir),
+        "data": {
+            "schema": {"label": "label", "sequences": sequences},
+            "train": {"format": "interactions", "paths": [str(data)], "holdout": "last"},
+        },
+        "model": {"name": "hstu", "max_length": length, "num_heads": 2, "attention_dim": 4, "linear_dim": 4},
+        "embedding": {"default": {"dim": 8, "optimizer": {"name": "adam", "lr": 0.01}}},
+        "training": {
+            "batch_size": 32,
+            "eval_batch_size": 64,
+            "epochs": 3,
+            "dense_optimizer": {"name": "adam", "lr": 0.01},
+            "log_every_steps": 5,
+            "seed": 3,
+        },
+        "ps": {"runtime": "local", "num_shards": 2, "num_buckets": 64},
+        "checkpoint": {"every_steps": 5},
+    }
+    return parse_config(config)
+
+
+@pytest.fixture(scope="session")
+def hstu_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("serve-hstu")
+    data = root / "interactions.txt"
+    write_interactions(data, users=500, items=120, seed=1)
+    config = hstu_config(root / "run", data)
     train(config)
     return {"config": config, "run_dir": root / "run", "data": data}
 

@@ -1,5 +1,6 @@
 """`psrec export`: every model round-trips through torch.export; served scores equal the trainer's
-evaluation scores for the same checkpoint (1e-5 at fp32, AUC within 0.0005 at fp16/int8)."""
+evaluation scores for the same checkpoint (1e-5 at fp32, AUC within 0.0005 at fp16/int8); an HSTU
+export's top-k over the catalogue is the trainer's own full ranking."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from psrec import checkpoint
-from psrec.data.sequences import evaluation_batches, load_interactions
-from psrec.serve.export import ProgramInput, example_inputs, export_programs, export_run
+from psrec.data.sequences import evaluation_batches, full_ranking_batches, load_interactions
+from psrec.serve.export import ProgramInput, example_inputs, export_programs, export_run, servable_config
 from psrec.serve.model_dir import MODEL_FILE, ExportContents, ExportError, load_program, read_model_dir
 from psrec.serve.requests import parse_request
 from psrec.serve.scoring import ServingModel
@@ -32,7 +33,9 @@ MODELS: list[dict[str, Any]] = [
     {"name": "dlrm", "bottom_hidden_sizes": [8], "top_hidden_sizes": [8]},
     {"name": "bst", "target_feature_index": 0, "max_length": 4, "hidden_sizes": [8], "num_heads": 2},
     {"name": "sasrec", "max_length": 6, "num_heads": 2},
+    {"name": "hstu", "max_length": 6, "num_heads": 2, "attention_dim": 2, "linear_dim": 3},
 ]
+NEXT_ITEM_MODELS = ("sasrec", "hstu")
 
 
 def _config_for(model: dict[str, Any], tmp_path: Path) -> Any:
@@ -40,11 +43,12 @@ def _config_for(model: dict[str, Any], tmp_path: Path) -> Any:
     overrides: dict[str, Any] = {"model": model}
     if model["name"] == "bst":
         overrides["data.schema.sequences"] = [{"name": "history", "table": "C1", "max_length": 4}]
-    if model["name"] == "sasrec":
+    if model["name"] in NEXT_ITEM_MODELS:
         sequence = {"table": "items", "max_length": 6, "hashed": False, "namespace": "item"}
+        targets = ("seq", "pos", "neg") if model["name"] == "sasrec" else ("seq", "pos", "negatives")
         overrides["data.schema"] = {
             "label": "label",
-            "sequences": [{"name": n, **sequence} for n in ("seq", "pos", "neg")],
+            "sequences": [{"name": n, **sequence} for n in targets],
         }
     return small_run_config(sources, tmp_path, **overrides)
 
@@ -52,10 +56,13 @@ def _config_for(model: dict[str, Any], tmp_path: Path) -> Any:
 @pytest.mark.parametrize("model", MODELS, ids=[m["name"] for m in MODELS])
 def test_every_model_round_trips_through_torch_export(model: dict[str, Any], tmp_path: Path) -> None:
     """The loaded program (torch alone, no psrec model class) equals the eager model's predict,
-    at batch sizes other than the traced one (1 and 5)."""
+    at batch sizes other than the traced one (1 and 5). HSTU is exported on its padded path; the
+    program also equals the packed (jagged) model it was trained as, within float rounding."""
     config = _config_for(model, tmp_path)
     torch.manual_seed(0)
-    eager = builders.build_model_for(config).eval()
+    eager = builders.build_model_for(servable_config(config)).eval()
+    trained = builders.build_model_for(config).eval()
+    trained.load_state_dict(eager.state_dict())
     programs = export_programs(eager, config, dim=4)
     loaded = {name: load_program(data, where=name) for name, data in programs.items()}
     reference = ProgramInput(eager).eval()
@@ -68,7 +75,19 @@ def test_every_model_round_trips_through_torch_export(model: dict[str, Any], tmp
             got = loaded[MODEL_FILE](*arguments)
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    if model["name"] == "sasrec":
+        if model["name"] != "hstu":
+            continue
+        dense, pooled, linear, sequences, masks = arguments
+        lengths = torch.arange(batch) % 6 + 1  # histories as the trainer packs them: right-aligned
+        aligned = {name: torch.arange(6) >= 6 - lengths[:, None] for name in masks}
+        with torch.no_grad():
+            torch.testing.assert_close(
+                ProgramInput(trained)(dense, pooled, linear, sequences, aligned),
+                loaded[MODEL_FILE](dense, pooled, linear, sequences, aligned),
+                rtol=0,
+                atol=1e-5,
+            )
+    if model["name"] in NEXT_ITEM_MODELS:
         arguments, _ = example_inputs(config, dim=4, catalogue=True)
         with torch.no_grad():
             torch.testing.assert_close(
@@ -199,6 +218,40 @@ def test_sasrec_served_logits_equal_the_trainers_evaluation(
     assert reference > 0.6
     for precision in ("fp16", "int8"):
         assert abs(aucs[precision] - reference) < 5e-4, (precision, aucs, reference)
+
+
+def test_hstu_served_top_k_is_the_trainers_full_ranking(hstu_run: dict[str, Any], exported: Any) -> None:
+    """`psrec serve`'s answer to a history without candidates (top-k over the catalogue, the item
+    table's rows) is the top-k of the trainer's own scores over all items for the same checkpoint."""
+    config = hstu_run["config"]
+    ref = checkpoint.list_checkpoints(hstu_run["run_dir"])[-1]
+    sources = {"train": config.data.train.model_dump()}
+    data = load_interactions([str(hstu_run["data"])])
+    batches = list(full_ranking_batches(data, split="test", max_length=12, batch_size=64, holdout="last"))
+    runtime = LocalRuntime(config, base_dir=".", data_sources=sources)
+    try:
+        runtime.restore(_chain(hstu_run["run_dir"], ref))
+        expected = np.concatenate([runtime.trainer.runner.predict(b.batch) for b in batches])  # (U, N)
+    finally:
+        runtime.shutdown()
+    k = 10
+    want_items = np.argsort(-expected, axis=1, kind="stable")[:, :k] + 1  # column j is item j + 1
+    want_scores = np.take_along_axis(expected, want_items - 1, axis=1)
+    model = ServingModel.load(exported(hstu_run["run_dir"]))
+    assert model.kind == "next_item"
+    catalogue = model.version.tables["items"].ids
+    np.testing.assert_array_equal(np.sort(catalogue), np.arange(1, data.num_items + 1))
+    rows = [
+        {"seq": b.batch.sequences["seq"].ids[i][b.batch.sequences["seq"].mask[i]].tolist()}
+        for b in batches
+        for i in range(b.batch.batch_size)
+    ]
+    served = model.score_requests([parse_request({"rows": rows, "k": k}, model.request_spec)])[0]
+    assert served["version"] == model.version.label
+    np.testing.assert_array_equal(np.array(served["items"]), want_items)
+    np.testing.assert_allclose(np.array(served["scores"]), want_scores, rtol=0, atol=1e-4)
+    hits = (want_items == (np.concatenate([b.targets for b in batches]) + 1)[:, None]).any(axis=1)
+    assert hits.mean() > 0.2  # it learned the cycles (a random ranking hits 10 / 120)
 
 
 def _at_precision(model_dir: Path, precision: str) -> ServingModel:
