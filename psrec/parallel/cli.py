@@ -4,8 +4,12 @@
     psrec plan examples/plan_criteo_terabyte.yaml --devices 2 --memory-gb 16   # refused, with why
     psrec plan SPEC --strategy ps --json
     psrec plan examples/plan_criteo_terabyte.yaml --devices 2 --memory-gb 16 --disk-tier  # rows on disk
+    psrec plan examples/ml1m_hstu_large.yaml --memory-gb 0.25   # pipeline stages of a run's HSTU
 
-Exit status 0 with a plan, 2 when the plan file is invalid or the tables do not fit.
+Given a run config of an HSTU (a YAML with `model:`), it prints the fewest pipeline stages whose
+every stage fits `--memory-gb` per device (`psrec.parallel.stage_planner`).
+
+Exit status 0 with a plan, 2 when the plan file is invalid or the tables (or stages) do not fit.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from psrec.parallel.planner import ShardingPlan, TableSize
+    from psrec.parallel.stage_planner import HSTUSize, StagePlan
 
 GB = 10**9
 
@@ -26,7 +31,9 @@ GB = 10**9
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("plan", help="place embedding tables on devices (sharding planner)")
     parser.add_argument(
-        "spec", help="plan file: tables with rows, devices, strategy (see examples/plan_*.yaml)"
+        "spec",
+        help="plan file: tables with rows, devices, strategy (see examples/plan_*.yaml); or a run "
+        "config of an HSTU: the pipeline stages it needs for --memory-gb per device",
     )
     parser.add_argument("--devices", type=int, help="override devices.count")
     parser.add_argument("--memory-gb", type=float, help="override devices.memory_gb")
@@ -37,11 +44,19 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="keep in memory what fits, the rest on disk (disk_tier: true)",
     )
+    parser.add_argument(
+        "--microbatches", type=int, help="HSTU stages: micro-batches per batch (default: the run's, or 4)"
+    )
+    parser.add_argument(
+        "--schedule", choices=["gpipe", "1f1b"], help="HSTU stages: pipeline schedule (default: the run's)"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_run_config(args.spec):
+        return run_stage_plan(args)
     from psrec.parallel.plan_spec import PlanSpecError, load_plan_spec
     from psrec.parallel.planner import PlanDoesNotFit, plan_disk_tier, plan_sharding
 
@@ -125,4 +140,89 @@ def format_plan(plan: ShardingPlan, tables: list[TableSize]) -> str:
     if disk:
         lines.append(f"on disk {sum(disk) / GB:.2f} GB; most loaded device {max(disk) / GB:.2f} GB")
     lines += [f"note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def is_run_config(path: str) -> bool:
+    """Whether `path` is a YAML run config (it has `model:`) rather than a plan file."""
+    import yaml
+
+    try:
+        with open(path) as file:
+            data = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError):
+        return False  # the plan-file path reports what is wrong with it
+    return isinstance(data, dict) and "model" in data
+
+
+def run_stage_plan(args: argparse.Namespace) -> int:
+    """`psrec plan RUN_CONFIG --memory-gb G`: the pipeline stages the run's HSTU needs."""
+    from psrec.config import ConfigError, load_config
+    from psrec.parallel.stage_planner import HSTUSize, StagesDoNotFit, plan_stages
+
+    if args.memory_gb is None:
+        print("error: a run config is planned for --memory-gb per device; give it", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.spec)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model = config.model
+    if model.name != "hstu":
+        print(f"error: psrec plan sizes the stages of an hstu model, not {model.name!r}", file=sys.stderr)
+        return 2
+    pipeline = config.ps.pipeline
+    negatives = {f.name: f.max_length for f in config.feature_schema().sequences}.get("negatives", 0)
+    size = HSTUSize(
+        embedding_dim=config.table_config("items").dim,
+        max_length=model.max_length,
+        num_blocks=model.num_blocks,
+        num_heads=model.num_heads,
+        attention_dim=model.attention_dim,
+        linear_dim=model.linear_dim,
+        num_negatives=negatives,
+    )
+    try:
+        plan = plan_stages(
+            size,
+            memory_bytes=int(args.memory_gb * GB),
+            batch_size=config.training.batch_size,
+            microbatches=args.microbatches or (pipeline.microbatches if pipeline else 4),
+            schedule=args.schedule or (pipeline.schedule if pipeline else "1f1b"),
+        )
+    except StagesDoNotFit as error:
+        print(f"refused: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**asdict(plan), "peak_bytes": plan.peak_bytes}, indent=2))
+    else:
+        print(format_stage_plan(plan, size, batch_size=config.training.batch_size))
+    return 0
+
+
+def format_stage_plan(plan: StagePlan, size: HSTUSize, *, batch_size: int) -> str:
+    """The stage plan as a report; its first line is the answer."""
+    from psrec.parallel.stage_planner import block_parameters
+
+    lines = [
+        f"hstu: {plan.num_stages} pipeline stage{'s' if plan.num_stages > 1 else ''} for "
+        f"{plan.memory_bytes / GB:.2f} GB per device (most loaded stage {plan.peak_bytes / GB:.3f} GB)",
+        f"  {size.num_blocks} blocks x {size.num_heads} heads, dqk {size.attention_dim}, dv {size.linear_dim}, "
+        f"dim {size.embedding_dim}, length {size.max_length}, {size.num_negatives} negatives; "
+        f"{block_parameters(size):,} parameters per block",
+        f"  batch {batch_size} in {plan.microbatches} micro-batches of {plan.microbatch_sequences} "
+        f"sequences, schedule {plan.schedule}; between stages {plan.bytes_between_stages_per_step / 10**6:.1f} "
+        "MB per step (activations and their gradients)",
+        "",
+        f"{'stage':>6} {'blocks':>6} {'weights':>11} {'activations':>11} {'buffers':>11} {'total':>11}",
+    ]
+    for index, stage in enumerate(plan.stages):
+        parts = " + embedding" if stage.parts[0] == 0 else ""
+        parts += " + head" if stage.parts[1] == size.num_blocks + 2 else ""
+        lines.append(
+            f"{index:>6} {stage.blocks:>6} {_gb(stage.weight_bytes)} {_gb(stage.activation_bytes)} "
+            f"{_gb(stage.buffer_bytes)} {_gb(stage.total_bytes)}{parts}"
+        )
+    lines.append("note: the item table's rows live on the parameter server, not on these devices")
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 
 A sequence model's `stages()` (embedding, block stack, head) become a chain of parts
 ``[embedding, block 0, ..., block n-1, head]`` (the stack's `block_parts()`) cut into `num_stages`
-contiguous stages (`split_parts`): the embedding stage goes first, the head last, the blocks are
+contiguous stages (`psrec.parallel.stage_planner.split_parts`): the embedding stage goes first, the head last, the blocks are
 dealt out evenly. Each
 process runs one stage as a `PipelineStage`; a `ScheduleGPipe` or `Schedule1F1B` schedule streams
 micro-batches through them. With W = R * S processes, R pipeline replicas of S stages each train
@@ -49,6 +49,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from psrec.models.base import ModelInput
 from psrec.models.sasrec import sampled_softmax_loss
 from psrec.parallel.allreduce import allreduce_mean
+from psrec.parallel.stage_planner import split_parts
 
 logger = logging.getLogger(__name__)
 
@@ -86,25 +87,6 @@ class PipelineLayout:
     def data_parallel_ranks(self, stage: int) -> list[int]:
         """The ranks holding one stage, one per replica (they average its dense gradients)."""
         return [replica * self.num_stages + stage for replica in range(self.num_replicas)]
-
-
-def split_parts(num_parts: int, num_stages: int) -> list[range]:
-    """Cut parts ``[embedding, blocks..., head]`` into contiguous stages: blocks dealt out evenly.
-
-    The embedding (part 0) is always in the first stage and the head (the last part) in the last.
-    """
-    num_blocks = num_parts - 2
-    if num_stages < 1 or num_blocks < 0 or num_stages > num_blocks + 2:
-        raise ValueError(f"cannot cut {num_blocks} blocks + embedding + head into {num_stages} stages")
-    if num_stages == 1:
-        return [range(0, num_parts)]
-    # Stage boundaries in block units: stage s gets blocks [s * n / S, (s + 1) * n / S).
-    bounds = [1 + (s * num_blocks) // num_stages for s in range(num_stages + 1)]
-    bounds[0], bounds[-1] = 0, num_parts
-    stages = [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-    if any(len(stage) == 0 for stage in stages):
-        raise ValueError(f"cannot cut {num_blocks} blocks into {num_stages} non-empty stages")
-    return stages
 
 
 # -- stage modules --------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 
 from psrec.models import HSTU, BehaviorSequenceTransformer, ModelInput, SASRec
 from psrec.parallel.launch import run_local_group
-from psrec.parallel.pipeline import PipelineLayout, PipelineStepper, model_parts, split_parts
+from psrec.parallel.pipeline import PipelineLayout, PipelineStepper, model_parts
+from psrec.parallel.stage_planner import split_parts
 
 BATCH, LENGTH, DIM = 8, 6, 8
 NEXT_ITEM = ("sasrec", "hstu", "hstu_softmax")  # models whose loss ignores labels
