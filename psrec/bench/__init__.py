@@ -30,8 +30,8 @@ docs/benchmarks.md unless noted:
   trainer count);
 - clusters, parallelism and serving: `cluster_bench` and `store_read_bench` (a three-node local
   cluster, data on an object store; docs/cluster.md), `parallel_bench` (collective sharding and
-  pipeline parallelism; docs/parallelism.md), `serve_load` (`psrec serve` under load;
-  docs/serving.md);
+  pipeline parallelism; docs/parallelism.md), `hstu_pipeline_bench` (HSTU tokens/s for 1, 2, 4
+  pipeline stages; docs/results.md), `serve_load` (`psrec serve` under load; docs/serving.md);
 - model quality: `sasrec_oracle` (the plain PyTorch SASRec oracle trained on a real data set;
   docs/results.md).
 
