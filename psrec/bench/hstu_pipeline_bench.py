@@ -113,7 +113,9 @@ def run_case(rank: int, world_size: int, num_blocks: int, steps: int) -> dict[st
 
         def one_step() -> None:
             optimizer.zero_grad()
-            stepper.step(inp if stepper.is_first else None, target if stepper.is_last else None)
+            stepper.step(
+                inp if stepper.is_first else None, target if stepper.is_last else None, batch_size=BATCH
+            )
             optimizer.step()  # parameters of other stages have no gradient and are skipped
 
     for _ in range(WARMUP):
