@@ -38,6 +38,13 @@ PyTorch, the ceiling and psrec's trainers train on it (psrec's rows stay on its 
 memory; Ray layouts with more trainers than GPUs stay on the CPU); TorchRec and TensorFlow run on the
 CPU. The table's header and its device column say where each system ran.
 
+Memory: beside samples/s, the median over rounds of each run's peak RSS (every run is a fresh
+process; a Ray system adds its actors' peaks) and "RSS x trec", its median within-round ratio to
+TorchRec at the same precision; --json also keeps each run's peak, the ratio to plain PyTorch and the
+peak before evaluation (`training_peak_rss_bytes`; the evaluation batch, 16384 rows, usually sets the
+peak). Each system's process runs with the CLI's malloc settings (`psrec.allocator`);
+PSREC_MALLOC_TUNING=0 runs every system with glibc's defaults instead.
+
 Machine: the header names the CPU model, its ISA features that decide bf16's speed (avx2, avx512f,
 avx512_bf16, avx512_vnni, amx_bf16, amx_int8, amx_tile; `psrec.machine`), the cores and the load
 average at the start and end. bf16 systems on a CPU without native bf16 (neither avx512_bf16 nor
@@ -187,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(round_index: int, result: dict[str, Any]) -> None:
         if "samples_per_second" in result:
-            shown = f"{result['samples_per_second']:9.0f} samples/s"
+            shown = f"{result['samples_per_second']:9.0f} samples/s {_gigabytes(result.get('peak_rss_bytes'))} peak RSS"
         else:
             shown = result.get("skipped") or result.get("error", "?")
         print(f"round {round_index} {result['system']:20s} {shown}", flush=True)
@@ -219,6 +226,11 @@ def _number(value: float | None, spec: str) -> str:
     return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
 
 
+def _gigabytes(value: float | None) -> str:
+    """Bytes as GiB with two decimals ("1.52G"), "-" when there is none; 8 characters wide."""
+    return f"{'-' if not value else format(value / 2**30, '.2f') + 'G':>8s}"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The bench's table: every ratio between equal precisions, except "x fp32*", which is marked."""
     workload, machine = report["workload"], report["machine"]
@@ -236,16 +248,19 @@ def format_table(report: dict[str, Any]) -> str:
         "and TensorFlow in each round; of ceil: to the ceiling at the same precision and compile); "
         "x fp32*: CROSS-PRECISION, over the same system in fp32; cpu: samples per CPU-second (all "
         "threads and processes) and its ratios; best: fastest step (psrec: warm-up-sized chunk) of all "
-        "rounds; val AUC: every embedding system gives each id its own row",
-        f"{'system':20s} {'precision':15s} {'samples/s':>9s} {'x pytorch':>9s} {'x torchrec':>10s} "
+        "rounds; val AUC: every embedding system gives each id its own row; peak RSS: median over "
+        "rounds of each run's peak resident memory (Ray: driver + actors), RSS x trec: its median "
+        "within-round ratio to TorchRec at the same precision",
+        f"{'system':20s} {'precision':15s} {'samples/s':>9s} {'peak RSS':>8s} {'RSS x trec':>10s} "
+        f"{'x pytorch':>9s} {'x torchrec':>10s} "
         f"{'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'x psrec':>7s} {'x fp32*':>7s} "
         f"{'cpu smp/s':>9s} {'x pytorch':>9s} {'x TF':>6s} {'x peer':>6s} {'of ceil':>7s} {'best':>7s} "
-        f"{'peak RSS':>8s} {'val AUC':>7s} {'device':6s} status",
+        f"{'val AUC':>7s} {'device':6s} status",
     ]
     for row in report["rows"]:
-        rss = row["peak_rss_bytes"]
         lines.append(
             f"{row['system']:20s} {row.get('precision', '?'):15s} {_number(row['samples_per_second'], '9.0f')} "
+            f"{_gigabytes(row['peak_rss_bytes'])} {_number(row.get('rss_ratio_to_torchrec'), '10.2f')} "
             f"{_number(row['ratio_to_pytorch'], '9.2f')} {_number(row.get('ratio_to_torchrec'), '10.2f')} "
             f"{_number(row.get('ratio_to_tensorflow'), '6.2f')} {_number(row.get('ratio_to_best_peer'), '6.2f')} "
             f"{_number(row['fraction_of_ceiling'], '7.2f')} {_number(row['ratio_to_psrec'], '7.2f')} "
@@ -255,8 +270,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_number(row.get('cpu_ratio_to_tensorflow'), '6.2f')} "
             f"{_number(row.get('cpu_ratio_to_best_peer'), '6.2f')} "
             f"{_number(row.get('cpu_fraction_of_ceiling'), '7.2f')} "
-            f"{_number(row.get('best_step_samples_per_second'), '7.0f')} "
-            f"{'-' if not rss else format(rss / 2**30, '6.2f') + 'G':>8s} {_number(row['auc'], '7.4f')} "
+            f"{_number(row.get('best_step_samples_per_second'), '7.0f')} {_number(row['auc'], '7.4f')} "
             f"{row.get('device') or '-':6s} {row['status']}"
         )
     emulated = emulated_bf16_systems(report)

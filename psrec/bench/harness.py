@@ -123,6 +123,12 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
     Alongside, the same per CPU-second (CPU time of every thread and process of the system, so a
     system using 2 cores for a step counts twice) and the best step rate over all rounds: on a
     machine shared with other jobs those two move much less than wall-clock medians.
+
+    Memory: ``peak_rss_bytes`` is the median over rounds of each run's peak RSS (every run is a
+    fresh process; a Ray run adds its actors' peaks), ``rss_ratio_to_torchrec`` and
+    ``rss_ratio_to_pytorch`` the median within-round ratios to those systems at the same
+    precision, and ``training_peak_rss_bytes`` the median peak before evaluation (training alone),
+    where the system reports it.
     """
     by_round: dict[int, dict[str, dict[str, Any]]] = {}
     for run in runs:
@@ -162,6 +168,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
         rates = [v for v in (rate(r) for r in mine) if v is not None]
         cpu_rates = [v for v in (rate(r, "samples_per_cpu_second") for r in mine) if v is not None]
         best = [v for v in (rate(r, "best_step_samples_per_second") for r in mine) if v is not None]
+        rss = [v for v in (rate(r, "peak_rss_bytes") for r in mine) if v]
         aucs = [r["auc"] for r in mine if r.get("auc") is not None]
         last = next((r for r in reversed(mine) if "samples_per_second" in r), None)
         row: dict[str, Any] = {
@@ -185,7 +192,16 @@ def summarize(runs: list[dict[str, Any]], systems: list[str]) -> list[dict[str, 
             "cpu_ratio_to_best_peer": _median(best_peer_ratios(name, "samples_per_cpu_second")),
             "cpu_fraction_of_ceiling": _median(ratios(name, ceiling, "samples_per_cpu_second")),
             "best_step_samples_per_second": max(best) if best else None,
-            "peak_rss_bytes": max((r.get("peak_rss_bytes", 0) for r in mine), default=0) or None,
+            # Memory: the median over rounds of each run's peak RSS, its median within-round ratio
+            # to TorchRec and plain PyTorch at the same precision, and the peak before evaluation.
+            "peak_rss_bytes": _median(rss),
+            "peak_rss_bytes_all": rss,
+            "peak_rss_max_bytes": max(rss) if rss else None,
+            "rss_ratio_to_torchrec": _median(ratios(name, torchrec, "peak_rss_bytes")),
+            "rss_ratio_to_pytorch": _median(ratios(name, pytorch, "peak_rss_bytes")),
+            "training_peak_rss_bytes": _median(
+                [float(r["training_peak_rss_bytes"]) for r in mine if r.get("training_peak_rss_bytes")]
+            ),
             "auc": _median(aucs),
             "device": next((r["device"] for r in reversed(mine) if "device" in r), None),
             "status": _status(mine),

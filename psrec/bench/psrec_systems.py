@@ -234,11 +234,14 @@ class ProgressClock:
     not charged to psrec while all of the driver's own work is. `cpu` adds the psrec actors' CPU
     seconds when `actors` is set (Ray runs); `ray_daemons_cpu` is then the CPU seconds of Ray's own
     processes under this one (raylets and GCS: not in `cpu`, as Ray's share of the machine).
+    `peak_rss_bytes` is this process's peak RSS at the latest report: the driver reports after each
+    chunk of steps and evaluates after it, so in process it is the peak of training alone.
     """
 
     def __init__(self, *, actors: bool = False) -> None:
         self.actors = actors
         self.reports: list[dict[str, Any]] = []
+        self.peak_rss_bytes = 0
         self._own_seconds = 0.0
         self._own_cpu = 0.0
 
@@ -249,6 +252,7 @@ class ProgressClock:
         if self.actors:
             stamps["ray_daemons_cpu"] = sum(process_cpu_seconds(pid) for pid in _ray_daemon_pids())
         self.reports.append({**report, **stamps})
+        self.peak_rss_bytes = peak_rss_bytes()
         self._own_seconds += time.perf_counter() - arrived
         self._own_cpu += time.process_time() - cpu
 
@@ -432,6 +436,8 @@ def run_psrec(
         # from the train() call; a Ray system's cluster is up before it (started above)
         seconds_to_first_step=summary["startup"]["seconds_from_train_call"],
     )
+    if runtime == "local":  # a Ray run trains in its actors: their peaks are polled, not split by phase
+        result["training_peak_rss_bytes"] = progress.peak_rss_bytes
     if summary.get("placement"):
         result["placement"] = summary["placement"]
     return result

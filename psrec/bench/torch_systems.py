@@ -220,6 +220,7 @@ def run_pytorch(
             return model.predict(ModelInput(batch.dense, embeddings(batch)))
 
     result = timed_loop(workload, train, step)
+    result["training_peak_rss_bytes"] = peak_rss_bytes()  # before evaluation
     model.eval()
     result["auc"] = _evaluate(predict, validation)
     result["peak_rss_bytes"] = peak_rss_bytes()
@@ -309,6 +310,7 @@ def run_torchrec(
             return model.predict(ModelInput(batch.dense, pooled(batch)))
 
     result = timed_loop(replace(workload, device="cpu"), train, step)  # on the CPU, whatever the device
+    result["training_peak_rss_bytes"] = peak_rss_bytes()  # before evaluation
     model.eval()
     result["auc"] = _evaluate(predict, validation)
     result["peak_rss_bytes"] = peak_rss_bytes()

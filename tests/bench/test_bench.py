@@ -83,6 +83,44 @@ def test_fraction_of_ceiling_is_at_the_same_precision_and_compile() -> None:
     assert rows["psrec-bf16"]["fraction_of_ceiling"] is None
 
 
+def test_peak_rss_is_the_median_of_rounds_beside_samples_per_second() -> None:
+    gib = 2**30
+    runs = [
+        {"system": "torchrec", "round": 0, "samples_per_second": 100.0, "peak_rss_bytes": 2 * gib},
+        {"system": "psrec", "round": 0, "samples_per_second": 120.0, "peak_rss_bytes": 1.5 * gib},
+        {"system": "torchrec", "round": 1, "samples_per_second": 100.0, "peak_rss_bytes": 1.6 * gib},
+        {"system": "psrec", "round": 1, "samples_per_second": 120.0, "peak_rss_bytes": 1.6 * gib},
+        {"system": "torchrec", "round": 2, "samples_per_second": 100.0, "peak_rss_bytes": 1.7 * gib},
+        {
+            "system": "psrec",
+            "round": 2,
+            "samples_per_second": 120.0,
+            "peak_rss_bytes": 1.4 * gib,
+            "training_peak_rss_bytes": 1.2 * gib,
+        },
+    ]
+    rows = {row["system"]: row for row in summarize(runs, ["torchrec", "psrec"])}
+    psrec = rows["psrec"]
+    assert psrec["peak_rss_bytes"] == pytest.approx(1.5 * gib)  # the median, not the largest
+    assert psrec["peak_rss_max_bytes"] == pytest.approx(1.6 * gib)
+    assert psrec["peak_rss_bytes_all"] == pytest.approx([1.5 * gib, 1.6 * gib, 1.4 * gib])
+    # within-round ratios (0.75, 1.0, 1.4 / 1.7), then their median
+    assert psrec["rss_ratio_to_torchrec"] == pytest.approx(1.4 / 1.7)
+    assert psrec["rss_ratio_to_pytorch"] is None  # no plain PyTorch ran
+    assert psrec["training_peak_rss_bytes"] == pytest.approx(1.2 * gib)  # from the runs that say it
+    assert rows["torchrec"]["training_peak_rss_bytes"] is None
+    report = {
+        "workload": tiny_workload(Path("unused")).to_dict(),
+        "machine": {"cpu": "test cpu", "cores": 2, "load_average": [0.0, 0.0, 0.0]},
+        "rounds": 3,
+        "rows": list(rows.values()),
+    }
+    lines = commands.format_table(report).splitlines()
+    assert lines[2].split()[:6] == ["system", "precision", "samples/s", "peak", "RSS", "RSS"]
+    (line,) = [line for line in lines if line.startswith("psrec ")]
+    assert line.split()[2:5] == ["120", "1.50G", "0.82"]  # samples/s, peak RSS, RSS x trec
+
+
 def precision_runs() -> list[dict[str, object]]:
     rates = {
         "pytorch": 100.0,
@@ -160,13 +198,13 @@ def test_table_shows_precisions_and_marks_the_cross_precision_figure() -> None:
     assert "x TF" in lines[2] and "x peer" in lines[2]
     (bf16,) = [line for line in lines if line.startswith("psrec-bf16 ")]
     cells = bf16.split()
-    assert cells[1] == "bf16" and cells[3] == "2.00"  # x pytorch: over pytorch-bf16
-    assert cells[4] == "-"  # x torchrec: no bf16 TorchRec in the run
-    assert cells[5] == "-"  # x TF: no TensorFlow in the run
-    assert cells[6] == "2.00"  # x peer: the fastest bf16 peer is pytorch-bf16
+    assert cells[1] == "bf16" and cells[5] == "2.00"  # x pytorch: over pytorch-bf16
+    assert cells[6] == "-"  # x torchrec: no bf16 TorchRec in the run
+    assert cells[7] == "-"  # x TF: no TensorFlow in the run
+    assert cells[8] == "2.00"  # x peer: the fastest bf16 peer is pytorch-bf16
     assert "2.50*" in cells  # x fp32, marked
     (fp32,) = [line for line in lines if line.startswith("psrec ")]
-    assert fp32.split()[9] == "-"  # fp32 psrec has no fp32 twin: nothing crosses precisions
+    assert fp32.split()[11] == "-"  # fp32 psrec has no fp32 twin: nothing crosses precisions
 
 
 def test_step_profile_accounts_for_the_whole_step() -> None:
@@ -218,6 +256,7 @@ def test_row_precision_systems_store_every_table_in_that_precision(tmp_path: Pat
     (row,) = report["rows"]
     assert row["status"] == "ok" and 0.0 <= row["auc"] <= 1.0
     assert 0 < row["seconds_to_first_step"] < 60  # the run's start-up, from its summary
+    assert 0 < row["training_peak_rss_bytes"] <= row["peak_rss_bytes"]  # read before evaluation
     assert "1st step s" in commands.format_profile(report)
 
 
@@ -252,6 +291,7 @@ def test_isolated_run_reports_from_its_own_process(tmp_path: Path) -> None:
     report = run_bench(tiny_workload(tmp_path / "cache"), ["pytorch"], rounds=1, isolate=True)
     (row,) = report["rows"]
     assert row["status"] == "ok" and row["samples_per_second"] > 0
+    assert 0 < row["training_peak_rss_bytes"] <= row["peak_rss_bytes"] < 8 * 2**30  # its own process
 
 
 def test_load_average_is_read_before_and_after_the_runs(

@@ -106,7 +106,7 @@ def test_x_tf_and_best_peer_divide_by_the_same_precision_within_rounds() -> None
         "rows": list(rows.values()),
     }
     (line,) = [line for line in commands.format_table(report).splitlines() if line.startswith("psrec-bf16 ")]
-    assert line.split()[5:7] == ["2.25", "2.00"]  # x TF, x peer
+    assert line.split()[7:9] == ["2.25", "2.00"]  # x TF, x peer
 
 
 def test_the_script_reads_back_the_batches_it_is_handed(tmp_path: Path) -> None:
