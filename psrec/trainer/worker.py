@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from psrec.allocator import release_free_memory
 from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
@@ -528,6 +529,7 @@ class TrainerWorker:
         user's input items excluded (`psrec.data.sequences.full_ranking_batches`).
         """
         self.runner.flush()
+        release_free_memory()  # training's freed blocks do not fit evaluation's (psrec.allocator)
         if self.config.model.ranks_items:
             return self._evaluate_ranking(split)
         reader = open_reader(
