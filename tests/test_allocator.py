@@ -150,3 +150,24 @@ def test_release_free_memory_gives_freed_heap_back_and_keeps_live_blocks() -> No
     assert figures["released"] is True and figures["intact"] is True
     # 159 MiB were freed and held by malloc; at least 150 MiB of it leaves the process
     assert figures["before"] - figures["after"] >= 150 << 20, figures
+
+
+def test_release_drops_a_pools_free_arrays_and_keeps_busy_ones() -> None:
+    import numpy as np
+
+    pool = allocator.ReusableBuffers(keep=3)
+    shape = (1024, 512)  # 2 MiB: above REUSE_MIN_BYTES
+    busy = pool.empty(shape, np.float32)
+    busy[:] = 3.0
+    free = pool.empty(shape, np.float32)
+    del free
+    assert len(pool._arrays) == 2
+    allocator.release_free_memory()  # every live pool: the free array goes, the busy one stays
+    assert len(pool._arrays) == 1 and np.shares_memory(pool._arrays[0], busy)
+    assert (busy == 3.0).all()
+    assert pool.release_free() == 0  # nothing free left
+    del busy
+    assert pool.release_free() >= 1024 * 512 * 4 and pool._arrays == []
+    allocated = pool.allocated
+    pool.empty(shape, np.float32)  # a fresh array: nothing cached to reuse
+    assert pool.allocated == allocated + 1
