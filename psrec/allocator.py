@@ -22,9 +22,9 @@ evaluation after training: the arrays that `ReusableBuffers` pools keep for the 
 uses (every pool, busy arrays untouched), then malloc's free memory (``malloc_trim``, every arena).
 Evaluation's batches (16384 rows against training's 4096) need blocks and buffers of other sizes,
 which training's freed ones do not fit, so without a release the evaluation's memory comes on top of
-them. On the bench's DLRM (docs/benchmarks.md, "Memory") the peak RSS falls by 0.1 GiB with one-hot
-features and by 0.3 GiB with 8 bags of 50 ids, whose pulled rows and row gradients fill 0.1 GiB
-buffers.
+them. After each evaluation batch malloc's free memory alone goes back (``pools=False``: the next
+batch reuses the pooled buffers), or each batch's freed blocks add to the next one's. Figures:
+docs/benchmarks.md, "Memory".
 
 `advise_huge_pages` asks Linux for transparent huge pages (2 MiB) under a large array, e.g. an
 embedding table's rows. Lookups hit rows at random across hundreds of MiB: with 4 KiB pages nearly
@@ -90,12 +90,13 @@ def tune_malloc() -> bool:
     return applied
 
 
-def release_free_memory() -> bool:
-    """Drop the free arrays of every `ReusableBuffers` pool, then return the free memory of every
-    malloc arena to the system (glibc's ``malloc_trim(0)``); True when malloc released some. Live
-    memory is untouched: what the process allocates next faults its pages in again."""
+def release_free_memory(*, pools: bool = True) -> bool:
+    """Drop the free arrays of every `ReusableBuffers` pool (unless `pools` is False), then return
+    the free memory of every malloc arena to the system (glibc's ``malloc_trim(0)``); True when
+    malloc released some. Live memory is untouched: what the process allocates next faults its
+    pages in again."""
     started = time.perf_counter()
-    dropped = sum(pool.release_free() for pool in list(_POOLS))
+    dropped = sum(pool.release_free() for pool in list(_POOLS)) if pools else 0
     libc = _libc()
     released = bool(libc.malloc_trim(0)) if libc is not None else False
     logger.debug(

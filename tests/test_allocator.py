@@ -162,6 +162,8 @@ def test_release_drops_a_pools_free_arrays_and_keeps_busy_ones() -> None:
     free = pool.empty(shape, np.float32)
     del free
     assert len(pool._arrays) == 2
+    allocator.release_free_memory(pools=False)  # malloc's free memory only: the pool keeps both
+    assert len(pool._arrays) == 2
     allocator.release_free_memory()  # every live pool: the free array goes, the busy one stays
     assert len(pool._arrays) == 1 and np.shares_memory(pool._arrays[0], busy)
     assert (busy == 3.0).all()

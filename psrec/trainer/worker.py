@@ -550,6 +550,7 @@ class TrainerWorker:
             for batch in batches:
                 scores.append(self.runner.predict(batch))
                 labels.append(batch.labels)
+                release_free_memory(pools=False)  # this batch's freed blocks, before the next batch's
         finally:
             reader.close()
         if not scores:  # this trainer's share of a small split may be empty

@@ -1,5 +1,6 @@
 """A trainer gives its freed memory back before each evaluation (`psrec.allocator.release_free_memory`):
-evaluation batches are larger than training's, so the blocks training freed do not serve them.
+evaluation batches are larger than training's, so the blocks training freed do not serve them; and
+malloc's free memory after each evaluation batch, before the next one's.
 
 Run: ``python -m pytest tests/trainer/test_worker_memory.py -q``.
 """
@@ -23,9 +24,9 @@ def test_memory_is_released_before_every_evaluation(
     events: list[str] = []
     release, open_reader = worker_module.release_free_memory, worker_module.open_reader
 
-    def recorded_release() -> bool:
-        events.append("release")
-        return release()
+    def recorded_release(*, pools: bool = True) -> bool:
+        events.append("release" if pools else "release malloc")
+        return release(pools=pools)
 
     def recorded_open(*args: Any, **kwargs: Any) -> Any:
         events.append(f"open {kwargs['batch_size']}")
@@ -46,3 +47,8 @@ def test_memory_is_released_before_every_evaluation(
     assert len(opened) == len(summary["history"]) >= 2  # every evaluation: at 40 steps, at 80
     assert all(events[index - 1] == "release" for index in opened), events
     assert events.count("release") == len(opened)  # and never in training
+    # after each evaluation batch (6,000 validation rows: one batch), malloc's free memory alone
+    batches = -(-6_000 // config.training.eval_batch_size)
+    assert events.count("release malloc") == batches * len(opened)
+    for index in opened:
+        assert events[index + 1 : index + 1 + batches] == ["release malloc"] * batches, events
