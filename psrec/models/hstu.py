@@ -54,7 +54,7 @@ from torch import nn
 from psrec.models.base import ModelInput, ModelStages
 from psrec.models.hstu_attention import RelativeAttentionBias, dense_attention, jagged_attention
 from psrec.models.jagged import GROUP_OVERHEAD, JaggedLayout, pack, unpack
-from psrec.models.sasrec import sampled_softmax_loss
+from psrec.models.sasrec import check_next_item_inputs, next_item_loss
 from psrec.models.transformer import Dropout
 
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
@@ -307,26 +307,8 @@ class HSTU(nn.Module):
         `labels` is ignored: the targets are the next items ("pos") and sampled negatives
         ("negatives" for the sampled softmax, "neg" for BCE; see the module docstring).
         """
-        negatives = "neg" if self.loss_name == "bce" else "negatives"
-        if "pos" not in inp.sequences or negatives not in inp.sequences:
-            raise ValueError(
-                f'HSTU.loss ({self.loss_name}) needs ModelInput.sequences["pos"] and ["{negatives}"]'
-            )
-        out = self.run(inp)
-        real = inp.masks.get("pos", inp.masks["seq"]).bool()  # (B, L)
-        positive = out["pos_logits"]
-        if self.loss_name == "sampled_softmax":
-            negative = out["negatives_logits"]  # (B, L, N)
-            loss = sampled_softmax_loss(positive[real], negative[real])
-            last_negative = negative[:, -1, 0]
-        else:
-            negative = out["neg_logits"]  # (B, L)
-            loss = functional.binary_cross_entropy_with_logits(
-                positive[real], torch.ones_like(positive[real])
-            ) + functional.binary_cross_entropy_with_logits(negative[real], torch.zeros_like(negative[real]))
-            last_negative = negative[:, -1]
-        scores = torch.stack([positive[:, -1], last_negative], dim=1).detach()
-        return loss, scores
+        check_next_item_inputs(inp, self.loss_name, "HSTU")
+        return next_item_loss(self.run(inp), inp, self.loss_name)
 
     def predict(self, inp: ModelInput) -> torch.Tensor:
         return self(inp)

@@ -181,29 +181,40 @@ class SASRec(nn.Module):
         `labels` is ignored: the targets are the next items ("pos") and sampled negatives ("neg" for
         BCE, "negatives" for the sampled softmax; see the module docstring).
         """
-        negatives = "neg" if self.loss_name == "bce" else "negatives"
-        if "pos" not in inp.sequences or negatives not in inp.sequences:
-            raise ValueError(
-                f'SASRec.loss ({self.loss_name}) needs ModelInput.sequences["pos"] and ["{negatives}"]'
-            )
-        out = self.run(inp)
-        real = inp.masks.get("pos", inp.masks["seq"]).bool()  # (B, L)
-        positive = out["pos_logits"]
-        if self.loss_name == "sampled_softmax":
-            negative = out["negatives_logits"]  # (B, L, N)
-            loss = sampled_softmax_loss(positive[real], negative[real])
-            last_negative = negative[:, -1, 0]
-        else:
-            negative = out["neg_logits"]  # (B, L)
-            loss = functional.binary_cross_entropy_with_logits(
-                positive[real], torch.ones_like(positive[real])
-            ) + functional.binary_cross_entropy_with_logits(negative[real], torch.zeros_like(negative[real]))
-            last_negative = negative[:, -1]
-        scores = torch.stack([positive[:, -1], last_negative], dim=1).detach()
-        return loss, scores
+        check_next_item_inputs(inp, self.loss_name, "SASRec")
+        return next_item_loss(self.run(inp), inp, self.loss_name)
 
     def predict(self, inp: ModelInput) -> torch.Tensor:
         return self(inp)
+
+
+def check_next_item_inputs(inp: ModelInput, loss_name: Loss, model: str) -> None:
+    """The targets a next-item loss needs are in `inp`: "pos" and "neg" (bce) or "negatives"."""
+    negatives = "neg" if loss_name == "bce" else "negatives"
+    if "pos" not in inp.sequences or negatives not in inp.sequences:
+        raise ValueError(f'{model}.loss ({loss_name}) needs ModelInput.sequences["pos"] and ["{negatives}"]')
+
+
+def next_item_loss(
+    out: dict[str, torch.Tensor], inp: ModelInput, loss_name: Loss
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-item loss over real positions of a head's output (``pos_logits`` and
+    ``negatives_logits`` (B, L, N) or ``neg_logits`` (B, L)), and the (B, 2) [positive, a negative]
+    logits at the last position (the running metrics' scores); SASRec's and HSTU's."""
+    real = inp.masks.get("pos", inp.masks["seq"]).bool()  # (B, L)
+    positive = out["pos_logits"]
+    if loss_name == "sampled_softmax":
+        negative = out["negatives_logits"]  # (B, L, N)
+        loss = sampled_softmax_loss(positive[real], negative[real])
+        last_negative = negative[:, -1, 0]
+    else:
+        negative = out["neg_logits"]  # (B, L)
+        loss = functional.binary_cross_entropy_with_logits(
+            positive[real], torch.ones_like(positive[real])
+        ) + functional.binary_cross_entropy_with_logits(negative[real], torch.zeros_like(negative[real]))
+        last_negative = negative[:, -1]
+    scores = torch.stack([positive[:, -1], last_negative], dim=1).detach()
+    return loss, scores
 
 
 def sampled_softmax_loss(
