@@ -54,7 +54,7 @@ from torch import nn
 from psrec.models.base import ModelInput, ModelStages
 from psrec.models.hstu_attention import RelativeAttentionBias, dense_attention, jagged_attention
 from psrec.models.jagged import GROUP_OVERHEAD, JaggedLayout, pack, unpack
-from psrec.models.sasrec import check_next_item_inputs, next_item_loss
+from psrec.models.sasrec import candidate_logits, check_next_item_inputs, next_item_loss
 from psrec.models.transformer import Dropout
 
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
@@ -243,14 +243,7 @@ class HSTUHead(nn.Module):
         if "negatives" in state:
             out["negatives_logits"] = scaled @ l2_normalize(state["negatives"]).transpose(1, 2)  # (B, L, N)
         if "candidates" in state:
-            last = scaled[:, -1]  # (B, D): the most recent position (sequences are left-padded)
-            candidates = l2_normalize(state["candidates"])
-            if candidates.ndim == 3 and candidates.shape[0] == 1:  # (1, N, D): shared by the batch
-                candidates = candidates[0]
-            if candidates.ndim == 2:
-                out["candidate_logits"] = last @ candidates.T  # (B, N)
-            else:
-                out["candidate_logits"] = torch.einsum("bd,bcd->bc", last, candidates)  # (B, C)
+            out["candidate_logits"] = candidate_logits(scaled, l2_normalize(state["candidates"]))
         return out
 
 

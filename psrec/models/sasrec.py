@@ -101,14 +101,7 @@ class SASRecHead(nn.Module):
         if "negatives" in state:
             out["negatives_logits"] = hidden @ state["negatives"].transpose(1, 2)  # (B, L, N)
         if "candidates" in state:
-            last = hidden[:, -1]  # (B, D): the most recent position (sequences are left-padded)
-            candidates = state["candidates"]
-            if candidates.ndim == 3 and candidates.shape[0] == 1:  # (1, N, D): shared by the batch
-                candidates = candidates[0]
-            if candidates.ndim == 2:
-                out["candidate_logits"] = last @ candidates.T  # (B, N)
-            else:
-                out["candidate_logits"] = torch.einsum("bd,bcd->bc", last, candidates)  # (B, C)
+            out["candidate_logits"] = candidate_logits(hidden, state["candidates"])
         return out
 
 
@@ -186,6 +179,17 @@ class SASRec(nn.Module):
 
     def predict(self, inp: ModelInput) -> torch.Tensor:
         return self(inp)
+
+
+def candidate_logits(hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Scores of candidate items after the most recent position of `hidden` (B, L, D): candidates
+    (B, C, D) per user -> (B, C), or (N, D) / (1, N, D) shared by the batch -> (B, N)."""
+    last = hidden[:, -1]  # (B, D): the most recent position (sequences are left-padded)
+    if candidates.ndim == 3 and candidates.shape[0] == 1:
+        candidates = candidates[0]
+    if candidates.ndim == 2:
+        return last @ candidates.T  # (B, N)
+    return torch.einsum("bd,bcd->bc", last, candidates)  # (B, C)
 
 
 def check_next_item_inputs(inp: ModelInput, loss_name: Loss, model: str) -> None:
