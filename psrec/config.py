@@ -2,7 +2,8 @@
 
 Loaded once at the entry point (`load_config`), validated with pydantic so a mistake fails before
 any process starts, with the field path and the allowed values. Library classes never see this
-object: the builders in `psrec.train` map it to plain constructor arguments.
+object: the builders in `psrec.train` map it to plain constructor arguments. The models of the
+`embedding:` and `ps:` sections are in `psrec.config_embedding` and `psrec.config_ps`.
 
 A minimal config (see `examples/quickstart.yaml` for a full one)::
 
@@ -25,105 +26,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from psrec.config_embedding import EmbeddingConfig, TableConfig
+from psrec.config_ps import PipelineConfig, PSConfig
 from psrec.data.schema import DataSource, KafkaSource, Schema
 from psrec.models.config import ModelConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SparseOptimizerConfig(_Strict):
-    name: Literal["sgd", "adagrad", "rowwise_adagrad", "adam", "ftrl"] = "rowwise_adagrad"
-    lr: float = Field(0.01, gt=0)
-    eps: float = Field(1e-8, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    initial_accumulator_value: float = Field(0.0, ge=0)
-    ftrl_beta: float = Field(1.0, ge=0)
-    ftrl_l1: float = Field(0.0, ge=0)
-    ftrl_l2: float = Field(0.0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    lazy: bool = True  # false: every row steps at every push (dense-Adam semantics; small tables)
-
-
-class InitializerConfig(_Strict):
-    kind: Literal["normal", "uniform", "zeros"] = "normal"
-    std: float = Field(0.01, ge=0)
-    scale: float = Field(0.05, ge=0)
-
-
-class AdmissionConfig(_Strict):
-    kind: Literal["always", "min_count", "probability"] = "always"
-    min_count: int = Field(1, ge=1)
-    probability: float = Field(1.0, gt=0, le=1)
-    sketch_width: int = Field(1 << 20, ge=1)
-    sketch_depth: int = Field(4, ge=1, le=16)
-
-
-class EvictionConfig(_Strict):
-    ttl_steps: int | None = Field(None, ge=1)
-    max_rows: int | None = Field(None, ge=1)
-    every_steps: int = Field(1000, ge=1, description="how often the trainer asks shards to evict")
-
-
-class StorageConfig(_Strict):
-    """A disk tier (docs/disk_tier.md): each shard keeps the table's hottest rows in memory, the rest
-    in a file under disk_dir. Give memory_rows or memory_gb."""
-
-    memory_rows: int | None = Field(None, ge=1, description="rows each shard keeps in memory")
-    memory_gb: float | None = Field(
-        None, gt=0, description="memory each shard gives this table: hot rows, their state, both indexes"
-    )
-    disk_dir: str = Field(min_length=1, description="a local directory for the cold rows (SSD)")
-    prefetch_min_rows: int = Field(
-        256,  # psrec.embedding.specs.PREFETCH_MIN_ROWS (config imports no table code)
-        ge=0,
-        description="read the cold rows of each next batch ahead, on a background thread, while the table's "
-        "last training pull promoted at least this many rows (for fewer, issuing the read costs more than "
-        "it saves); 0: always",
-    )
-
-    @model_validator(mode="after")
-    def _one_budget(self) -> StorageConfig:
-        if (self.memory_rows is None) == (self.memory_gb is None):
-            raise ValueError("storage needs exactly one of memory_rows and memory_gb")
-        return self
-
-
-class TableConfig(_Strict):
-    dim: int = Field(16, ge=1)
-    expected_rows: int | None = Field(
-        None,
-        ge=0,
-        description="rows the table is expected to reach: shards reserve their share up front (no growth "
-        "copies while the rows arrive) and the collective planner balances by it",
-    )
-    populate: bool = Field(
-        True,
-        description="back the rows reserved for expected_rows with memory when the table is built, not "
-        "in the steps that first write them (false: memory is committed as rows arrive)",
-    )
-    optimizer: SparseOptimizerConfig = SparseOptimizerConfig()
-    initializer: InitializerConfig = InitializerConfig()
-    precision: Literal["fp32", "fp16", "int8"] = "fp32"
-    stochastic_rounding: bool = False
-    admission: AdmissionConfig = AdmissionConfig()
-    eviction: EvictionConfig = EvictionConfig()
-    storage: StorageConfig | None = None
-
-    @model_validator(mode="after")
-    def _storage_needs_lazy(self) -> TableConfig:
-        if self.storage is not None and not self.optimizer.lazy:
-            raise ValueError("storage (a disk tier) needs optimizer.lazy: true")
-        return self
-
-
-class EmbeddingConfig(_Strict):
-    default: TableConfig | None = TableConfig()
-    tables: dict[str, TableConfig] = {}
-    # Optimizer of the dim-1 first-order tables of models with linear terms (LR, FM, DeepFM, ...).
-    linear_optimizer: SparseOptimizerConfig | None = None
 
 
 class DenseOptimizerConfig(_Strict):
@@ -208,139 +118,6 @@ class TrainingConfig(_Strict):
         "later epochs skip reading and hashing (each trainer holds its share; not for interactions)",
     )
     seed: int = 0
-
-
-class ResourcesConfig(_Strict):
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    memory_gb: float | None = Field(None, gt=0)
-    threads: int = Field(1, ge=1, description="torch/numba threads in the process")
-
-
-class PipelineConfig(_Strict):
-    """Pipeline parallelism of the dense model (SASRec, BST): ``ps.num_trainers`` = replicas x stages.
-
-    Trainer r is stage r % stages of replica r // stages; the first stage of each replica reads its
-    replica's share of the data and talks to the PS (see docs/parallelism.md, `psrec.trainer.pipeline_step`).
-    """
-
-    stages: int = Field(ge=2, description="stages per replica: embedding first, blocks dealt out, head last")
-    microbatches: int = Field(4, ge=1, description="per batch (fewer when they would not split it evenly)")
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"
-
-
-class PlacementConfig(_Strict):
-    """Where the actors run on a cluster of several nodes (`psrec.cluster.placement`, docs/cluster.md)."""
-
-    shards: Literal["spread", "any"] = Field(
-        "spread", description="spread: one shard per node in turn (Ray SPREAD); any: Ray's default scheduler"
-    )
-    trainers: Literal["pack", "spread", "any"] = Field(
-        "pack", description="pack: as few nodes as possible (a PACK placement group); spread; any"
-    )
-    shard_node_resource: str | None = Field(
-        None,
-        min_length=1,
-        description="a custom Ray resource (ray start --resources) each shard asks one unit of: pins "
-        "shards to the nodes offering it",
-    )
-    trainer_node_resource: str | None = Field(None, min_length=1, description="the same for trainers")
-
-
-class AutoscaleConfig(_Strict):
-    """Shards added while training when the tables outgrow them (docs/fault_tolerance.md)."""
-
-    max_shard_memory_gb: float = Field(
-        gt=0,
-        description="a shard whose rows (payload, optimizer state, index and metadata of the rows it "
-        "holds in memory) take more than this many GiB: shards are added while training",
-    )
-    max_shards: int = Field(ge=1, description="never more shards than this")
-    fill: float = Field(
-        0.75, gt=0, le=1, description="after growing, each shard holds about this fraction of the limit"
-    )
-
-
-class PSConfig(_Strict):
-    runtime: Literal["ray", "local"] = "ray"
-    strategy: Literal["ps", "collective"] = Field(
-        "ps",
-        description="ps: tables on shard actors; collective: tables sharded across the trainers (all-to-all)",
-    )
-    sharding: Literal["row_wise", "table_wise", "auto"] = Field(
-        "row_wise",
-        description="collective: how tables are split; auto = the sharding planner's choice per table "
-        "(needs embedding.*.expected_rows)",
-    )
-    address: str | None = Field(None, description="join this Ray cluster; None starts an embedded one")
-    num_trainers: int = Field(1, ge=1)
-    num_shards: int = Field(2, ge=1)
-    num_buckets: int = Field(1024, ge=1)
-    mode: Literal["sync", "async"] = "sync"
-    wire_precision: Literal["fp32", "fp16"] = Field(
-        "fp32",
-        description="rows pulled from / gradients pushed to shard actors: fp16 halves the bytes "
-        "(gradients with a per-row scale); in-process shards are not serialised and ignore it",
-    )
-    staleness: int = Field(1, ge=0, description="async: steps a trainer may run ahead of its pushed updates")
-    shared_memory: bool = Field(
-        True,
-        description="a trainer and the shard actors on its machine pass pulled and pushed arrays through "
-        "shared memory (/dev/shm) instead of Ray's object store; false: always the object store",
-    )
-    trainer_resources: ResourcesConfig = ResourcesConfig()
-    shard_resources: ResourcesConfig = ResourcesConfig(num_cpus=0.5)
-    placement: PlacementConfig = PlacementConfig()
-    pipeline: PipelineConfig | None = Field(
-        None, description="split the dense model into pipeline stages over the trainers (SASRec, BST)"
-    )
-    autoscale: AutoscaleConfig | None = Field(
-        None, description="add shards while training when a shard's rows pass a memory limit"
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> PSConfig:
-        if self.pipeline is not None:
-            stages = self.pipeline.stages
-            for field, value, wanted in (
-                ("runtime", self.runtime, "ray"),
-                ("strategy", self.strategy, "ps"),
-                ("mode", self.mode, "sync"),
-            ):
-                if value != wanted:
-                    raise ValueError(
-                        f"ps.pipeline needs ps.{field}: {wanted}, got {value!r} "
-                        "(the stages are Ray trainers pulling from PS shards in sync steps)"
-                    )
-            if self.num_trainers % stages:
-                raise ValueError(
-                    f"ps.pipeline.stages={stages} must divide ps.num_trainers={self.num_trainers} "
-                    "(trainers = pipeline replicas x stages)"
-                )
-        if self.num_shards > self.num_buckets:
-            raise ValueError(
-                f"num_shards={self.num_shards} is more than num_buckets={self.num_buckets}: "
-                "every shard needs at least one virtual bucket; raise ps.num_buckets or lower ps.num_shards"
-            )
-        if self.autoscale is not None:
-            if self.strategy == "collective":
-                raise ValueError(
-                    "ps.autoscale adds PS shards; strategy 'collective' keeps the tables in the trainers"
-                )
-            if not self.num_shards <= self.autoscale.max_shards <= self.num_buckets:
-                raise ValueError(
-                    f"ps.autoscale.max_shards={self.autoscale.max_shards} must be between ps.num_shards="
-                    f"{self.num_shards} and ps.num_buckets={self.num_buckets}"
-                )
-        if self.strategy == "collective" and self.mode != "sync":
-            raise ValueError("strategy 'collective' supports mode 'sync' only")
-        if self.strategy == "collective" and self.runtime == "local":
-            raise ValueError("strategy 'collective' runs on Ray trainers; use runtime 'ray'")
-        if self.runtime == "local" and self.num_trainers != 1:
-            raise ValueError(
-                "runtime 'local' runs one trainer in-process; use runtime 'ray' for num_trainers > 1"
-            )
-        return self
 
 
 class CheckpointConfig(_Strict):

@@ -31,6 +31,8 @@ LAYERS: dict[str, int] = {
     "ps": 2,
     "parallel": 3,
     "config": 3,
+    "config_embedding": 3,
+    "config_ps": 3,
     "trainer": 4,
     "cluster": 5,
     "elastic": 6,

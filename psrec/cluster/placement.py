@@ -27,7 +27,8 @@ import logging
 from collections import Counter
 from typing import Any
 
-from psrec.config import ConfigError, PlacementConfig, ResourcesConfig
+from psrec.config import ConfigError
+from psrec.config_ps import PlacementConfig, ResourcesConfig
 
 logger = logging.getLogger(__name__)
 

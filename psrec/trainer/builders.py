@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from psrec.config import ConfigError, InitializerConfig, RunConfig, SparseOptimizerConfig, TableConfig
+from psrec.config import ConfigError, RunConfig
+from psrec.config_embedding import InitializerConfig, SparseOptimizerConfig, TableConfig
 from psrec.embedding import (
     AdmissionSpec,
     EmbeddingTable,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from psrec.cluster.placement import actor_options, bundle, describe, placement_report
-from psrec.config import ConfigError, PlacementConfig, ResourcesConfig, parse_config
+from psrec.config import ConfigError, parse_config
+from psrec.config_ps import PlacementConfig, ResourcesConfig
 
 
 def test_spread_shards_ask_for_ray_spread_and_one_unit_of_a_pinning_resource() -> None:

@@ -317,7 +317,7 @@ def test_sampled_victims_keep_the_exact_policys_hit_rate(tmp_path):
 
 
 def test_the_config_reads_ahead_from_the_tables_default_row_count() -> None:
-    from psrec.config import StorageConfig
+    from psrec.config_embedding import StorageConfig
     from psrec.embedding.specs import PREFETCH_MIN_ROWS
 
     assert StorageConfig(memory_rows=1, disk_dir="d").prefetch_min_rows == PREFETCH_MIN_ROWS
