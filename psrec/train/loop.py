@@ -49,7 +49,8 @@ from psrec.train.data_sources import check_stored_sources, start_preparing_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.reporting import summary_writer, write_scalars
 from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_dir, upload_events, write_text
-from psrec.train.runtime import Runtime, make_runtime
+from psrec.train.runtime import make_runtime
+from psrec.train.runtime_base import Runtime
 from psrec.train.stream_progress import StreamProgress
 from psrec.train.train_state import MAX_FAILED_UNITS, TrainState
 from psrec.trainer.chunks import ChunkResult
