@@ -126,6 +126,9 @@ class SASRecConfig(_ModelConfigBase):
     # bce: one sampled negative per position (the paper's); sampled_softmax: cross-entropy over the
     # data schema's "negatives" sequence (N uniform items per user; N = its max_length).
     loss: Literal["bce", "sampled_softmax"] = "bce"
+    # sampled_softmax: user = every position of a sequence scores its user's N negatives; position =
+    # each position scores the N of a random user of the batch (negatives differ along a sequence).
+    negatives_per: Literal["user", "position"] = "user"
 
 
 class HSTUConfig(_ModelConfigBase):
@@ -144,6 +147,9 @@ class HSTUConfig(_ModelConfigBase):
     temperature: PositiveFloat = 0.05  # logits = cosine / temperature
     # sampled_softmax (the reference's): the data schema's "negatives" (N items per user); bce: "neg".
     loss: Literal["bce", "sampled_softmax"] = "sampled_softmax"
+    # user = every position of a sequence scores its user's N negatives; position = each position
+    # scores the N of a random user of the batch (the reference draws N per position).
+    negatives_per: Literal["user", "position"] = "user"
     # Run the blocks on the packed real tokens (psrec/models/jagged.py); false: on the padded batch,
     # the dense oracle (same weights, same results within float rounding, slower).
     jagged: bool = True

@@ -54,7 +54,14 @@ from torch import nn
 from psrec.models.base import ModelInput, ModelStages
 from psrec.models.hstu_attention import RelativeAttentionBias, dense_attention, jagged_attention
 from psrec.models.jagged import GROUP_OVERHEAD, JaggedLayout, pack, unpack
-from psrec.models.sasrec import candidate_logits, check_next_item_inputs, next_item_loss
+from psrec.models.sasrec import (
+    NegativesPer,
+    candidate_logits,
+    check_negatives_per,
+    check_next_item_inputs,
+    negatives_logits,
+    next_item_loss,
+)
 from psrec.models.transformer import Dropout
 
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
@@ -228,9 +235,10 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
 class HSTUHead(nn.Module):
     """L2-normalised user states against L2-normalised items, divided by the temperature."""
 
-    def __init__(self, *, temperature: float) -> None:
+    def __init__(self, *, temperature: float, negatives_per: NegativesPer = "user") -> None:
         super().__init__()
         self.temperature = temperature
+        self.negatives_per = negatives_per
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = l2_normalize(state["hidden"])  # (B, L, D)
@@ -241,7 +249,8 @@ class HSTUHead(nn.Module):
         if "neg" in state:
             out["neg_logits"] = (scaled * l2_normalize(state["neg"])).sum(-1)  # (B, L)
         if "negatives" in state:
-            out["negatives_logits"] = scaled @ l2_normalize(state["negatives"]).transpose(1, 2)  # (B, L, N)
+            negatives = l2_normalize(state["negatives"])  # (B, N, D)
+            out["negatives_logits"] = negatives_logits(scaled, negatives, self.negatives_per)  # (B, L, N)
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(scaled, l2_normalize(state["candidates"]))
         return out
@@ -262,11 +271,13 @@ class HSTU(nn.Module):
         dropout: float = 0.2,
         temperature: float = 0.05,
         loss: Loss = "sampled_softmax",
+        negatives_per: NegativesPer = "user",
         jagged: bool = True,
     ) -> None:
         super().__init__()
         if loss not in ("bce", "sampled_softmax"):
             raise ValueError(f"HSTU loss must be 'bce' or 'sampled_softmax', not {loss!r}")
+        check_negatives_per(negatives_per)
         if temperature <= 0:
             raise ValueError(f"HSTU temperature must be > 0, got {temperature}")
         self.loss_name = loss
@@ -279,7 +290,7 @@ class HSTU(nn.Module):
             ],
             jagged=jagged,
         )
-        self.head = HSTUHead(temperature=temperature)
+        self.head = HSTUHead(temperature=temperature, negatives_per=negatives_per)
 
     def stages(self) -> ModelStages:
         return ModelStages(self.embedding, self.blocks, self.head)

@@ -87,9 +87,10 @@ class SASRecEmbedding(nn.Module):
 class SASRecHead(nn.Module):
     """Final layer norm, then dot products with whichever of pos/neg/candidates the state carries."""
 
-    def __init__(self, embedding_dim: int) -> None:
+    def __init__(self, embedding_dim: int, *, negatives_per: NegativesPer = "user") -> None:
         super().__init__()
         self.norm = nn.LayerNorm(embedding_dim, eps=NORM_EPS)
+        self.negatives_per = negatives_per
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden = self.norm(state["hidden"])  # (B, L, D)
@@ -99,7 +100,7 @@ class SASRecHead(nn.Module):
         if "neg" in state:
             out["neg_logits"] = (hidden * state["neg"]).sum(-1)  # (B, L)
         if "negatives" in state:
-            out["negatives_logits"] = hidden @ state["negatives"].transpose(1, 2)  # (B, L, N)
+            out["negatives_logits"] = negatives_logits(hidden, state["negatives"], self.negatives_per)
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(hidden, state["candidates"])
         return out
@@ -117,10 +118,12 @@ class SASRec(nn.Module):
         num_heads: int = 1,
         dropout: float = 0.2,
         loss: Loss = "bce",
+        negatives_per: NegativesPer = "user",
     ) -> None:
         super().__init__()
         if loss not in ("bce", "sampled_softmax"):
             raise ValueError(f"SASRec loss must be 'bce' or 'sampled_softmax', not {loss!r}")
+        check_negatives_per(negatives_per)
         self.loss_name = loss
         self.embedding = SASRecEmbedding(embedding_dim, max_length=max_length, dropout=dropout)
         self.blocks = TransformerStack(
@@ -134,7 +137,7 @@ class SASRec(nn.Module):
             norm_eps=NORM_EPS,
             causal=True,
         )
-        self.head = SASRecHead(embedding_dim)
+        self.head = SASRecHead(embedding_dim, negatives_per=negatives_per)
         self._initialise_blocks()
 
     def _initialise_blocks(self) -> None:
@@ -190,6 +193,34 @@ def candidate_logits(hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Te
     if candidates.ndim == 2:
         return last @ candidates.T  # (B, N)
     return torch.einsum("bd,bcd->bc", last, candidates)  # (B, C)
+
+
+NegativesPer = Literal["user", "position"]
+
+
+def negatives_logits(hidden: torch.Tensor, negatives: torch.Tensor, per: NegativesPer) -> torch.Tensor:
+    """(B, L, N) logits of each position's sampled-softmax negatives.
+
+    hidden (B, L, D) and negatives (B, N, D), the N items drawn for each user of the batch.
+    ``per="user"``: every position of a sequence scores its own user's N draws. ``per="position"``:
+    the B * L positions are dealt at random (torch's generator, as dropout) into B groups of L, and
+    each group scores one user's N draws, so a sequence's positions score different negatives, drawn
+    from the whole batch's B * N (the reference draws N per position; this costs one batched matmul).
+    """
+    if per == "user":
+        return hidden @ negatives.transpose(1, 2)
+    batch, length, dim = hidden.shape
+    order = torch.randperm(batch * length, device=hidden.device)
+    dealt = hidden.reshape(batch * length, dim)[order].view(batch, length, dim)  # group g = rows g*L..
+    logits = torch.bmm(dealt, negatives.transpose(1, 2)).reshape(batch * length, -1)  # (B*L, N)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return logits[inverse].view(batch, length, -1)
+
+
+def check_negatives_per(per: str) -> None:
+    if per not in ("user", "position"):
+        raise ValueError(f"negatives_per must be 'user' or 'position', not {per!r}")
 
 
 def check_next_item_inputs(inp: ModelInput, loss_name: Loss, model: str) -> None:

@@ -94,6 +94,7 @@ def test_constructor_arguments_are_the_sizes_and_fields() -> None:
         "num_heads": 5,
         "dropout": 0.2,
         "loss": "bce",
+        "negatives_per": "user",
     }
     assert constructor_arguments(DCNv2Config(low_rank=2, dense_init="xavier_normal"), sizes) == {
         **sizes,

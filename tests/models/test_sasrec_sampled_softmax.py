@@ -187,3 +187,55 @@ def test_sampled_softmax_training_through_the_ps_equals_the_reference(
     assert len(losses) == len(expected) == EPOCHS * 2
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
     np.testing.assert_allclose(rows, reference.item_emb.weight.detach()[1:].numpy(), rtol=1e-3, atol=1e-4)
+
+
+def test_negatives_per_position_scores_every_user_draws_at_exactly_length_positions() -> None:
+    """Oracle: the (B, L, B, N) scores of every position against every user's draws (einsum).
+
+    Each position's N logits are its row against one user's N draws; each user's draws are scored by
+    exactly L positions; a sequence's positions score several users' draws; gradients reach the
+    hidden states and the draws as the oracle's gather would send them; a seed repeats the deal.
+    """
+    from psrec.models.sasrec import negatives_logits
+
+    batch, length, count, dim = 6, 9, 5, 4
+    hidden = torch.randn(batch, length, dim, dtype=torch.float64, requires_grad=True)
+    negatives = torch.randn(batch, count, dim, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(3)
+    logits = negatives_logits(hidden, negatives, "position")
+    assert logits.shape == (batch, length, count)
+    every = torch.einsum("bld,gnd->blgn", hidden, negatives)  # (B, L, B, N)
+    owner = torch.full((batch, length), -1)
+    for b in range(batch):
+        for position in range(length):
+            matches = [
+                g
+                for g in range(batch)
+                if torch.allclose(logits[b, position], every[b, position, g], rtol=1e-12, atol=1e-12)
+            ]
+            assert len(matches) == 1
+            owner[b, position] = matches[0]
+    assert torch.bincount(owner.flatten(), minlength=batch).tolist() == [length] * batch
+    assert all(len(set(owner[b].tolist())) > 1 for b in range(batch))
+    weights = torch.randn_like(logits)
+    (logits * weights).sum().backward()
+    picked = every[torch.arange(batch)[:, None], torch.arange(length)[None, :], owner]  # (B, L, N)
+    hidden_grad, negatives_grad = torch.autograd.grad((picked * weights).sum(), (hidden, negatives))
+    torch.testing.assert_close(hidden.grad, hidden_grad)
+    torch.testing.assert_close(negatives.grad, negatives_grad)
+    torch.manual_seed(3)
+    torch.testing.assert_close(negatives_logits(hidden, negatives, "position"), logits)
+    torch.testing.assert_close(
+        negatives_logits(hidden, negatives, "user"), torch.einsum("bld,bnd->bln", hidden, negatives)
+    )
+
+
+def test_negatives_per_is_checked_and_reaches_both_heads() -> None:
+    from psrec.models import HSTU
+
+    with pytest.raises(ValueError, match="negatives_per"):
+        SASRec(DIM, negatives_per="item")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="negatives_per"):
+        HSTU(DIM, negatives_per="batch")  # type: ignore[arg-type]
+    assert SASRec(DIM, loss="sampled_softmax", negatives_per="position").head.negatives_per == "position"
+    assert HSTU(DIM, negatives_per="position").head.negatives_per == "position"
