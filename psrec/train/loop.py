@@ -8,8 +8,8 @@ chunks, at step boundaries, the driver reports progress (callback + TensorBoard,
 `psrec.train.reporting`), evicts table rows as `embedding.*.eviction` says, evaluates on the
 validation split (end of every epoch and every `eval_every_steps`), keeps the best model under early
 stopping (decaying every learning rate on a plateau; the rule is
-`psrec.train.evaluation.decide_early_stopping`), and writes checkpoints (`psrec.checkpoint`; every
-`checkpoint.every_steps` / `every_seconds`).
+`psrec.train.evaluation.decide_early_stopping`), and writes checkpoints (`psrec.train.checkpointing`;
+every `checkpoint.every_steps` / `every_seconds`).
 
 Continuous mode (`training.mode: continuous`, docs/streaming.md): no epochs; a chunk also ends when a
 trainer's stream was quiet for `training.stream.wait_seconds`, the progress reports the lag and
@@ -36,15 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from psrec import checkpoint, storage
-from psrec.checkpoint.files import discard_directory
-from psrec.checkpoint.format import MANIFEST_FILE
-from psrec.checkpoint.policy import RestartDecision, choose_restart
-from psrec.config import ConfigError, RunConfig, normalized_fingerprint
+from psrec import storage
+from psrec.config import RunConfig
 from psrec.elastic.resharding import ScaleController
 from psrec.machine import precisions_differ, summarize_trainers
+from psrec.train.checkpointing import CheckpointSchedule, has_checkpoints, restart_decision
 from psrec.train.data_sources import check_stored_sources, start_preparing_data
 from psrec.train.evaluation import EarlyStoppingRecord, decide_early_stopping, evaluation_metrics
 from psrec.train.reporting import summary_writer, write_scalars
@@ -52,7 +48,7 @@ from psrec.train.run_dir import apply_run_dir_plan, inspect_run_dir, plan_run_di
 from psrec.train.runtime import make_runtime
 from psrec.train.runtime_base import Runtime
 from psrec.train.stream_progress import StreamProgress
-from psrec.train.train_state import MAX_FAILED_UNITS, TrainState
+from psrec.train.train_state import TrainState
 from psrec.trainer.chunks import ChunkResult
 from psrec.trainer.metrics import BinaryMetricAccumulator
 from psrec.trainer.startup import paused_gc, startup_report
@@ -89,11 +85,7 @@ def train(
     if resume is None and config.training.mode == "continuous":
         resume = True
     run_dir = storage.location(config.run_dir)
-    try:
-        has_checkpoints = bool(checkpoint.list_checkpoints(run_dir)) if run_dir.is_dir() else False
-    except (storage.StorageError, checkpoint.CheckpointError) as error:
-        raise ConfigError(f"run_dir {str(run_dir)!r} cannot be read: {error}") from None
-    plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints), resume=resume)
+    plan = plan_run_dir(inspect_run_dir(run_dir, has_checkpoints=has_checkpoints(run_dir)), resume=resume)
     data = start_preparing_data(config, base_dir=Path(base_dir))  # rows not cached: on a thread
     sources = data.sources
     check_stored_sources(sources)
@@ -163,11 +155,8 @@ class Driver:
         self.phase_seconds: dict[str, float] = {}
         self.bytes_pulled = 0
         self.bytes_pushed = 0
-        self.last_checkpoint: Any = None
-        self.last_checkpoint_at = time.monotonic()
+        self.checkpoints = CheckpointSchedule(config, runtime)
         self.positions: list[Any] = []  # each trainer's reader position after the last chunk
-        self.since_full = 0
-        self.checkpoint_seconds: list[dict[str, Any]] = []
         self.first_step_at: float | None = None  # wall clock: the end of this process's first step
         self.recoveries: list[dict[str, Any]] = []
         self.best_snapshot = False
@@ -200,27 +189,16 @@ class Driver:
                     self._train_until_done()
                 return self._finish()
             except Exception as error:
-                if not self._restart_decision(error, restarts).recover:
+                decision = restart_decision(
+                    error,
+                    self.runtime,
+                    restarts=restarts,
+                    max_restarts=self.config.fault_tolerance.max_restarts,
+                )
+                if not decision.recover:
                     raise  # e.g. a bug or bad data: replaying would fail the same way
                 restarts += 1
                 self._recover(error)
-
-    def _restart_decision(self, error: BaseException, restarts: int) -> RestartDecision:
-        """`choose_restart` over this failure: a Ray error and actors that no longer answer."""
-        actor_failure = _is_actor_failure(error)
-        dead = self.runtime.dead_actors() if actor_failure else []  # asked only after an actor failure
-        if dead:
-            logger.warning("dead: %s", ", ".join(dead))
-        decision = choose_restart(
-            actor_failure=actor_failure,
-            dead_actors=dead,
-            restarts=restarts,
-            max_restarts=self.config.fault_tolerance.max_restarts,
-            failovers=len(self.runtime.failovers()),
-        )
-        if decision.reason == "max restarts reached":
-            logger.error("%s", decision.detail)
-        return decision
 
     def _train_until_done(self) -> None:
         training = self.config.training
@@ -235,7 +213,7 @@ class Driver:
             exhausted = False
             while not exhausted:
                 if self.scaling.poll(self.state.step):  # moved rows are in no delta: the next is full
-                    self.since_full = self.config.checkpoint.full_every
+                    self.checkpoints.next_full()
                 chunk = self._chunk_size()
                 if chunk <= 0:  # max_steps reached mid-epoch: a later resume with more steps goes on
                     self._checkpoint()
@@ -245,7 +223,7 @@ class Driver:
                     state.stopped = self._evaluate_and_decide()
                     if state.stopped:
                         break
-                if self._checkpoint_due() and not exhausted:
+                if self.checkpoints.due(state.step) and not exhausted:
                     self._checkpoint()
             if not state.stopped and "validation" in self.sources and self._evaluated_now() is None:
                 state.stopped = self._evaluate_and_decide()
@@ -261,7 +239,7 @@ class Driver:
         state = self.state
         while not (self.stop is not None and self.stop.is_set()):
             if self.scaling.poll(state.step):  # moved rows are in no delta: the next is full
-                self.since_full = self.config.checkpoint.full_every
+                self.checkpoints.next_full()
             chunk = self._chunk_size()
             if chunk <= 0:
                 break
@@ -276,23 +254,11 @@ class Driver:
                 and "validation" in self.sources
             ):
                 self._evaluate_and_decide()
-            if self._checkpoint_due():
+            if self.checkpoints.due(state.step):
                 self._checkpoint()
-        if self.last_checkpoint is None or self.last_checkpoint.step != state.step:
+        last = self.checkpoints.last
+        if last is None or last.step != state.step:
             self._checkpoint()
-
-    def _checkpoint_due(self) -> bool:
-        """A checkpoint is due: steps were trained since the last one, and the step is a multiple of
-        `checkpoint.every_steps` or `every_seconds` passed since the last one."""
-        settings = self.config.checkpoint
-        if self.last_checkpoint is not None and self.last_checkpoint.step == self.state.step:
-            return False  # nothing new (a quiet stream's chunk)
-        if self._due(settings.every_steps):
-            return True
-        return (
-            settings.every_seconds is not None
-            and time.monotonic() - self.last_checkpoint_at >= settings.every_seconds
-        )
 
     def _chunk_size(self) -> int:
         training = self.config.training
@@ -379,28 +345,18 @@ class Driver:
                 self.evicted[table] = self.evicted.get(table, 0) + count
 
     def _absorb(self, results: list[ChunkResult]) -> None:
-        state = self.state
         stepped = results[0].steps > 0
-        state.step += results[0].steps
+        self.state.add_chunk(results)
         if self.first_step_at is None:
             ended = [r.first_step_at for r in results if r.first_step_at is not None]
             self.first_step_at = max(ended) if ended else None  # every trainer has stepped
-        row_ids = []
         for result in results:
-            state.samples += result.samples
-            state.rows_skipped += result.input_counts.get("rows_skipped", 0)
-            for key, value in result.input_counts.items():
-                if key != "rows_skipped":
-                    state.input_counts[key] = state.input_counts.get(key, 0) + value
-            state.failed_units += result.failed_units[: MAX_FAILED_UNITS - len(state.failed_units)]
             self.bytes_pulled += result.bytes_pulled
             self.bytes_pushed += result.bytes_pushed
             if result.samples:
                 self.running.update(result.labels, result.scores)
-            row_ids.append(result.row_ids)
             for phase, seconds in result.phase_seconds.items():
                 self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds / len(results)
-        state.consumed.append((state.step, np.concatenate(row_ids)))
         self.positions = [r.state.get("position") if r.state else None for r in results]
         if stepped:
             self._evict_if_due()
@@ -453,38 +409,11 @@ class Driver:
 
     # -- checkpoints and recovery --------------------------------------------------------------
     def _checkpoint(self) -> None:
-        settings = self.config.checkpoint
-        if not settings.enabled:
-            return
-        last = self.last_checkpoint
-        # Same step as the last checkpoint, new driver state (an epoch's end, the max_steps stop, a
-        # resume with nothing left to train): written full. The shards' deltas start at their last
-        # committed or restored checkpoint, so a delta taken now would hold almost no rows, not those
-        # of the delta it replaces. It replaces that checkpoint (deleted once the new one is committed).
-        if last is None or last.step == self.state.step or self.since_full + 1 >= settings.full_every:
-            kind, parent = "full", None
-        else:
-            kind, parent = "delta", last
-        start = time.perf_counter()
-        self.last_checkpoint_at = time.monotonic()
-        extra = self.state.extra() | {"dense_precision": self.machines["dense_precision"]["resolved"]}
-        ref = self.runtime.save_checkpoint(self.run_dir, kind=kind, parent=parent, extra=extra)
-        manifest = checkpoint.read_manifest(ref)
-        self.checkpoint_seconds.append(
-            {
-                "step": ref.step,
-                "kind": kind,
-                "seconds": time.perf_counter() - start,
-                "bytes": sum(f["size"] for f in manifest["files"].values()),
-            }
-        )
-        if last is not None and last.step == ref.step and last.kind != ref.kind:
-            # the delta of this step (one of the same kind and name the commit replaced itself)
-            discard_directory(last.path, commit_marker=MANIFEST_FILE)
-        self.last_checkpoint = ref
-        self.since_full = 0 if kind == "full" else self.since_full + 1
-        checkpoint.apply_retention(
-            self.run_dir, keep_last=settings.keep_last, verify_checksums=False, pinned_step=self._best_step()
+        """A checkpoint of this step, full or delta as `CheckpointSchedule` decides."""
+        self.checkpoints.write(
+            self.state.step,
+            lambda: self.state.extra() | {"dense_precision": self.machines["dense_precision"]["resolved"]},
+            pinned_step=self._best_step(),
         )
 
     def _best_step(self) -> int | None:
@@ -493,13 +422,8 @@ class Driver:
             return None
         return self.state.best_step
 
-    def _chain(self) -> list[Any]:
-        return checkpoint.resolve_restore_chain(
-            self.run_dir, config=self.config.fingerprint_dict(), normalize=normalized_fingerprint
-        )
-
     def _restore_latest(self) -> bool:
-        chain = self._chain()
+        chain = self.checkpoints.chain()
         if not chain:
             return False
         restored = self.runtime.restore(chain)
@@ -512,7 +436,7 @@ class Driver:
         if restored is None:
             self.state.roll_back(0, {})
             self.runtime.start_epoch(0)
-            self.last_checkpoint, self.since_full = None, 0
+            self.checkpoints.restored(None)
             return
         self.state.roll_back(int(restored["step"]), restored["extra"])
         trained_in, now = restored["extra"].get("dense_precision"), self.machines["dense_precision"]
@@ -524,15 +448,14 @@ class Driver:
                 now["resolved"],
                 now["reason"],
             )
-        self.last_checkpoint = chain[-1]
-        self.since_full = len(chain) - 1
+        self.checkpoints.restored(chain)
         self.best_snapshot = False  # in-memory snapshots do not survive a restart
 
     def _recover(self, error: BaseException) -> None:
         failed_at = self.state.step
         logger.warning("actor failure at step %d (%s): recovering", failed_at, type(error).__name__)
         start = time.perf_counter()
-        chain = self._chain()
+        chain = self.checkpoints.chain()
         restored = self.runtime.recover(chain)
         self._ask_machines()  # replaced trainers may run elsewhere
         self._after_restore(chain, restored)
@@ -583,12 +506,7 @@ class Driver:
             return "memory"
         chain: list[Any] = []
         if self.config.checkpoint.enabled:
-            chain = checkpoint.resolve_restore_chain(
-                self.run_dir,
-                config=self.config.fingerprint_dict(),
-                normalize=normalized_fingerprint,
-                at_step=best_step,
-            )
+            chain = self.checkpoints.chain(at_step=best_step)
         if not chain:
             logger.warning(
                 "the best model (step %d) was lost in a restart: evaluating the last one", best_step
@@ -617,7 +535,7 @@ class Driver:
             "rows_consumed_unique": state.rows_consumed_unique(),
             "rows_skipped": state.rows_skipped,
             "input": {**state.input_counts, "failed_units": state.failed_units},
-            "checkpoints": self.checkpoint_seconds,
+            "checkpoints": self.checkpoints.seconds,
             "recoveries": self.recoveries,
             "failovers": self.runtime.failovers(),
             "resharding": self.scaling.report(),
@@ -637,12 +555,3 @@ class Driver:
             if split in self.sources and split not in summary:
                 summary[split] = evaluation_metrics(self.runtime.evaluate(split))
         return summary
-
-
-def _is_actor_failure(error: BaseException) -> bool:
-    """The Ray-specific half of the restart decision: did the error come from Ray (a task or actor)?"""
-    try:
-        from ray.exceptions import RayError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(error, RayError)

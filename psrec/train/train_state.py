@@ -17,6 +17,7 @@ from psrec.train.accounting import (
     ranges_to_json,
     union_ranges,
 )
+from psrec.trainer.chunks import ChunkResult
 
 MAX_FAILED_UNITS = 100  # failed units listed in the summary (all are counted)
 
@@ -59,6 +60,18 @@ class TrainState:
         "input_counts",
         "failed_units",
     )
+
+    def add_chunk(self, results: list[ChunkResult]) -> None:
+        """Count a chunk every trainer ran: its steps, samples, bad input and the rows it consumed."""
+        self.step += results[0].steps
+        for result in results:
+            self.samples += result.samples
+            self.rows_skipped += result.input_counts.get("rows_skipped", 0)
+            for key, value in result.input_counts.items():
+                if key != "rows_skipped":
+                    self.input_counts[key] = self.input_counts.get(key, 0) + value
+            self.failed_units += result.failed_units[: MAX_FAILED_UNITS - len(self.failed_units)]
+        self.consumed.append((self.step, np.concatenate([result.row_ids for result in results])))
 
     def extra(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self._SAVED} | {

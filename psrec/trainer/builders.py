@@ -36,8 +36,11 @@ from psrec.ps.routing import default_bucket_map
 if TYPE_CHECKING:
     import torch
 
+    from psrec.data.background import InputGate
     from psrec.parallel.row_owners import Placement
     from psrec.trainer.dense_optimizer import DenseOptimizer
+    from psrec.trainer.lookup import BatchLookup
+    from psrec.trainer.runner import Runner
 
 
 def _optimizer_spec(config: SparseOptimizerConfig) -> SparseOptimizerSpec:
@@ -249,6 +252,50 @@ def build_dense_optimizer(config: RunConfig, model: torch.nn.Module) -> DenseOpt
     params = [p for p in model.parameters() if p.requires_grad]
     return DenseOptimizer(
         params, spec.name, lr=spec.lr, betas=(spec.beta1, spec.beta2), weight_decay=spec.weight_decay
+    )
+
+
+def build_runner(
+    config: RunConfig,
+    model: torch.nn.Module,
+    optimizer: DenseOptimizer,
+    lookup: BatchLookup,
+    *,
+    rank: int,
+    world_size: int,
+    bf16: bool,
+    input_gate: InputGate | None,
+) -> Runner:
+    """The steps of trainer `rank` of `world_size`: its stage of a replica under ``ps.pipeline``,
+    otherwise the data-parallel `StepRunner` (``ps.mode`` sync or async)."""
+    from psrec.trainer.step import StepRunner
+
+    training = config.training
+    pipeline = config.ps.pipeline
+    if pipeline is not None:
+        from psrec.parallel.pipeline import PipelineLayout
+        from psrec.trainer.pipeline_step import PipelineStepRunner
+
+        return PipelineStepRunner(
+            model,
+            optimizer,
+            lookup,
+            rank=rank,
+            layout=PipelineLayout(world_size, pipeline.stages),
+            n_microbatches=pipeline.microbatches,
+            schedule=pipeline.schedule,
+            grad_clip_norm=training.grad_clip_norm,
+        )
+    return StepRunner(
+        model,
+        optimizer,
+        lookup,
+        world_size=world_size,
+        mode=config.ps.mode,
+        staleness=config.ps.staleness,
+        grad_clip_norm=training.grad_clip_norm,
+        bf16=bf16,
+        input_gate=input_gate,
     )
 
 

@@ -25,8 +25,6 @@ from psrec.allocator import release_free_memory
 from psrec.checkpoint.files import torch_state_bytes
 from psrec.config import RunConfig
 from psrec.data.background import InputGate
-from psrec.data.growing_source import open_growing_reader
-from psrec.data.kafka_source import KafkaSource, open_kafka_reader, partitions_for, topic_partitions
 from psrec.data.reader import PreparedCache, StreamWindow, open_reader
 from psrec.data.schema import DataSource
 from psrec.machine import describe_machine
@@ -36,7 +34,7 @@ from psrec.ps.client import EmbeddingClient, LocalConnection, ShardConnection
 from psrec.ps.shard import ParameterShard
 from psrec.ps.shard_checkpoint import restore_shard, write_shard_checkpoint
 from psrec.threads import compute_settings, set_thread_counts
-from psrec.trainer import builders
+from psrec.trainer import builders, readers
 from psrec.trainer.chunks import ChunkResult, ChunkSoFar
 from psrec.trainer.startup import paused_gc
 
@@ -46,17 +44,6 @@ if TYPE_CHECKING:
     from psrec.trainer.runner import Runner
 
 logger = logging.getLogger(__name__)
-
-
-# The reader's counters of bad input (`BatchReader.stats`) that travel to the driver's summary.
-INPUT_COUNTS = (
-    "rows_skipped",
-    "units_failed",
-    "bytes_lost",
-    "rows_lost",
-    "dense_values_filled",
-    "dense_values_clipped",
-)
 
 
 def _leave_process_group() -> None:
@@ -99,12 +86,7 @@ class TrainerWorker:
         # ps.pipeline: trainers per replica; the replica's first stage reads its data and pushes
         self.num_stages = self.config.ps.pipeline.stages if self.config.ps.pipeline else 1
         self.base_dir = Path(base_dir)
-        self.sources: dict[str, DataSource | KafkaSource] = {
-            split: KafkaSource.model_validate(source)
-            if source.get("format") == "kafka"
-            else DataSource.model_validate(source)
-            for split, source in (data_sources or {}).items()
-        }
+        self.sources = readers.parse_sources(data_sources or {})
         self.device = builders.training_device(self.config)  # cpu unless training.device says otherwise
         # training.dense_precision, resolved on this trainer's machine (auto: bf16 where it is native)
         self.dense_precision = builders.dense_precision(self.config, self.device)
@@ -164,8 +146,7 @@ class TrainerWorker:
         self._opened_at: Any = None  # the position the reader was opened at
         self._chunk = self._new_chunk()
         self._snapshots: dict[str, dict[str, Any]] = {}
-        self._input_reported: dict[str, int] = {}  # the reader's counters already reported
-        self._failed_reported = 0
+        self._input_reported = readers.InputReport()
         self._interactions: Any = None
         self._store_listener: socket.socket | None = None  # trainer 0's, until the group forms
 
@@ -174,40 +155,20 @@ class TrainerWorker:
 
     def _build_runner(self, client: EmbeddingClient) -> None:
         from psrec.trainer.lookup import BatchLookup
-        from psrec.trainer.step import StepRunner
 
-        training = self.config.training
         lookup = self.client = BatchLookup(
             client,
             feature_tables=builders.feature_tables(self.config),
             sequence_tables=builders.sequence_tables(self.config),
             device=None if self.device.type == "cpu" else self.device,  # None: the CPU's numba path
         )
-        self.runner: Runner
-        pipeline = self.config.ps.pipeline
-        if pipeline is not None:
-            from psrec.parallel.pipeline import PipelineLayout
-            from psrec.trainer.pipeline_step import PipelineStepRunner
-
-            self.runner = PipelineStepRunner(
-                self.model,
-                self.optimizer,
-                lookup,
-                rank=self.trainer_index,
-                layout=PipelineLayout(self.world_size, pipeline.stages),
-                n_microbatches=pipeline.microbatches,
-                schedule=pipeline.schedule,
-                grad_clip_norm=training.grad_clip_norm,
-            )
-            return
-        self.runner = StepRunner(
+        self.runner: Runner = builders.build_runner(
+            self.config,
             self.model,
             self.optimizer,
             lookup,
+            rank=self.trainer_index,
             world_size=self.world_size,
-            mode=self.config.ps.mode,
-            staleness=self.config.ps.staleness,
-            grad_clip_norm=training.grad_clip_norm,
             bf16=self.dense_precision.resolved == "bf16",
             input_gate=self._input_gate,
         )
@@ -321,57 +282,23 @@ class TrainerWorker:
             self._reader.close()
         training = self.config.training
         self.epoch = epoch
-        source = self.sources["train"]
-        shard = self.trainer_index // self.num_stages  # a pipeline replica's stages share one
-        num_shards = self.world_size // self.num_stages
-        if isinstance(source, KafkaSource):
-            continuous = training.mode == "continuous"
-            self._reader = open_kafka_reader(
-                source,
-                self.config.feature_schema(),
-                batch_size=training.batch_size,
-                partitions=partitions_for(shard, num_shards, topic_partitions(source)),
-                position=position,
-                until=None if continuous else "end",  # bounded: each partition read to its end
-                idle_timeout_s=training.stream.stop_after_idle_s if continuous else None,
-                max_batch_delay_s=training.stream.batch_timeout_s if continuous else None,
-                gate=self._input_gate,
-            )
-        elif source.growing is not None:  # files read as they land (training.mode continuous)
-            self._reader = open_growing_reader(
-                source,
-                self.config.feature_schema(),
-                batch_size=training.batch_size,
-                shard=shard,
-                num_shards=num_shards,
-                growing=source.growing,
-                position=position,
-                max_batch_delay_s=training.stream.batch_timeout_s,
-                idle_timeout_s=training.stream.stop_after_idle_s,
-                base_dir=self.base_dir,
-                gate=self._input_gate,
-            )
-        else:
-            self._reader = open_reader(
-                source,
-                self.config.feature_schema(),
-                batch_size=training.batch_size,
-                base_dir=self.base_dir,
-                shard=shard,
-                num_shards=num_shards,
-                shuffle_buffer=training.shuffle_buffer,
-                seed=training.seed * 1000 + epoch,
-                position=position,
-                gate=self._input_gate,
-                cache=self._data_cache,
-            )
+        self._reader = readers.open_training_reader(
+            self.config,
+            self.sources["train"],
+            epoch=epoch,
+            shard=self.trainer_index // self.num_stages,  # a pipeline replica's stages share one
+            num_shards=self.world_size // self.num_stages,
+            position=position,
+            base_dir=self.base_dir,
+            gate=self._input_gate,
+            cache=self._data_cache,
+        )
         if training.mode == "continuous":  # a chunk ends when the stream brought nothing for a while
             self._batches = StreamWindow(self._reader, wait_seconds=training.stream.wait_seconds)
         else:
             self._batches = iter(self._reader)
         self._opened_at = position
-        self._input_reported = {}
-        self._failed_reported = 0
+        self._input_reported = readers.InputReport()
 
     def epoch_steps(self) -> int | None:
         """Steps this trainer's share of the epoch takes, when the format knows its rows (Parquet)."""
@@ -436,13 +363,7 @@ class TrainerWorker:
         the files not read yet) and the newest event trained (for files: the newest file's time)."""
         if self.config.training.mode != "continuous" or self._reader is None:
             return None
-        stats = self._reader.stats()
-        position = self.checkpoint_state()["position"] or {}
-        return {
-            "events_behind": int(stats.get("events_behind", 0)),
-            "files_behind": int(stats.get("files_pending", 0)),
-            "newest_event_ms": int(position.get("newest_event_ms") or -1),
-        }
+        return readers.stream_lag(self._reader.stats(), self.checkpoint_state()["position"] or {})
 
     # -- trainer failover (psrec.elastic.trainer_failover) -------------------------------------------
     def abort_chunk(self) -> dict[str, Any]:
@@ -512,13 +433,7 @@ class TrainerWorker:
 
     def _input_report(self) -> tuple[dict[str, int], list[dict[str, Any]]]:
         """The reader's bad-input counters and failed units since the last report (this epoch's reader)."""
-        stats = self._reader.stats()
-        counts = {key: int(stats.get(key) or 0) for key in INPUT_COUNTS}
-        delta = {key: value - self._input_reported.get(key, 0) for key, value in counts.items()}
-        failed = list(stats.get("failed_units") or [])
-        new_failed = failed[self._failed_reported :]
-        self._input_reported, self._failed_reported = counts, len(failed)
-        return delta, new_failed
+        return self._input_reported.since_last(self._reader.stats())
 
     def evaluate(self, split: str) -> dict[str, np.ndarray]:
         """This trainer's share of `split`, evaluated without changing or growing any table.
@@ -540,22 +455,15 @@ class TrainerWorker:
             shard=self.trainer_index,
             num_shards=self.world_size,
         )
-        scores, labels = [], []
         batches: Any = reader
         if self._collective_connection is not None:
             from psrec.parallel.collective import lockstep_batches
 
             batches = lockstep_batches(reader, self._collective_connection)
         try:
-            for batch in batches:
-                scores.append(self.runner.predict(batch))
-                labels.append(batch.labels)
-                release_free_memory(pools=False)  # this batch's freed blocks, before the next batch's
+            return readers.score_batches(batches, self.runner.predict)
         finally:
             reader.close()
-        if not scores:  # this trainer's share of a small split may be empty
-            return {"scores": np.zeros(0, np.float32), "labels": np.zeros(0, np.float32)}
-        return {"scores": np.concatenate(scores), "labels": np.concatenate(labels)}
 
     def _file_source(self, split: str) -> DataSource:
         source = self.sources[split]
@@ -564,33 +472,17 @@ class TrainerWorker:
         return source
 
     def _evaluate_ranking(self, split: str) -> dict[str, np.ndarray]:
-        from psrec.data.sequences import evaluation_batches, full_ranking_batches, load_interactions
-        from psrec.data.units import expand_paths, local_files
-        from psrec.trainer.metrics import full_ranks, sampled_ranks
-
         if self._interactions is None:
-            self._interactions = load_interactions(
-                local_files(expand_paths(self._file_source("train").paths, self.base_dir))
-            )
-        max_length = next(f.max_length for f in self.config.feature_schema().sequences if f.name == "seq")
-        users = dict(
-            split="valid" if split == "validation" else "test",
-            max_length=max_length,
-            batch_size=self.config.training.eval_batch_size,
+            self._interactions = readers.load_training_interactions(self._file_source("train"), self.base_dir)
+        return readers.rank_held_out(
+            self._interactions,
+            self.runner.predict,
+            config=self.config,
+            split=split,
             shard=self.trainer_index,
             num_shards=self.world_size,
             holdout=self._file_source("train").holdout,
         )
-        batches = evaluation_batches(self._interactions, seed=self.config.training.seed, **users)  # type: ignore[arg-type]
-        ranks = [sampled_ranks(self.runner.predict(batch)) for batch in batches]
-        out = {"ranks": np.concatenate(ranks) if ranks else np.zeros(0, np.int64)}
-        if self.config.training.full_ranking:
-            full = [
-                full_ranks(self.runner.predict(users_batch.batch), users_batch.targets, seen=users_batch.seen)
-                for users_batch in full_ranking_batches(self._interactions, **users)  # type: ignore[arg-type]
-            ]
-            out["full_ranks"] = np.concatenate(full) if full else np.zeros(0, np.int64)
-        return out
 
     def set_dense_learning_rate(self, factor: float) -> None:
         for group in self.optimizer.param_groups:

@@ -14,6 +14,7 @@ import pytest
 
 from psrec.train.loop import train
 from psrec.train.runtime import LocalRuntime
+from psrec.trainer import readers as readers_module
 from psrec.trainer import worker as worker_module
 from tests.conftest import small_run_config
 
@@ -32,7 +33,8 @@ def test_memory_is_released_before_every_evaluation(
         events.append(f"open {kwargs['batch_size']}")
         return open_reader(*args, **kwargs)
 
-    monkeypatch.setattr(worker_module, "release_free_memory", recorded_release)
+    monkeypatch.setattr(worker_module, "release_free_memory", recorded_release)  # before evaluating
+    monkeypatch.setattr(readers_module, "release_free_memory", recorded_release)  # after each batch
     monkeypatch.setattr(worker_module, "open_reader", recorded_open)
     config = small_run_config(
         synthetic_sources, tmp_path / "run", **{"training.eval_every_steps": 40, "training.max_steps": 80}
