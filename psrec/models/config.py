@@ -129,6 +129,10 @@ class SASRecConfig(_ModelConfigBase):
     # sampled_softmax: user = every position of a sequence scores its user's N negatives; position =
     # each position scores the N of a random user of the batch (negatives differ along a sequence).
     negatives_per: Literal["user", "position"] = "user"
+    # dot: final layer norm and dot products (the paper's); cosine: L2-normalised user state and items
+    # / temperature, no final norm (generative-recommenders' SASRec, its ML-1M configs: 0.05).
+    similarity: Literal["dot", "cosine"] = "dot"
+    temperature: PositiveFloat = 1.0
 
 
 class HSTUConfig(_ModelConfigBase):

@@ -59,6 +59,7 @@ from psrec.models.sasrec import (
     candidate_logits,
     check_negatives_per,
     check_next_item_inputs,
+    l2_normalize,
     negatives_logits,
     next_item_loss,
 )
@@ -225,11 +226,6 @@ def run_blocks(
     for block in blocks:
         x = block(x, layout, packed_times)
     return {**state, "hidden": unpack(x, layout)}
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / max(||x||, 1e-6) over the last dimension (the reference's L2 norm, as eps-clamped)."""
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=NORM_EPS)
 
 
 class HSTUHead(nn.Module):

@@ -5,6 +5,8 @@ Math (B = batch, L = sequence length <= ``max_length``, D = embedding dim):
     x = Dropout(E[seq] * sqrt(D) + P[-L:]) * mask               # (B, L, D), learned positions
     h = LN(TransformerStack_causal(x))                          # "pre" blocks, zeroed at padding
     r_t = <h_t, E[i]>                                           # relevance of item i after step t
+    (``similarity="cosine"``, generative-recommenders' variant: h = TransformerStack_causal(x) with no
+    final LN, r_t = <h_t / ||h_t||, E[i] / ||E[i]||> / temperature)
 
 Layer norms use eps 1e-8, and the weights start as in the reference PyTorch code
 (pmixer/SASRec.pytorch): Xavier-normal positions and weights (the query/key/value projections drawn
@@ -57,6 +59,8 @@ from psrec.models.transformer import Dropout, TransformerBlock, TransformerStack
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
 Loss = Literal["bce", "sampled_softmax"]
 NORM_EPS = 1e-8
+L2_NORM_EPS = 1e-6  # generative-recommenders' l2_norm_eps
+Similarity = Literal["dot", "cosine"]
 
 
 class SASRecEmbedding(nn.Module):
@@ -85,24 +89,42 @@ class SASRecEmbedding(nn.Module):
 
 
 class SASRecHead(nn.Module):
-    """Final layer norm, then dot products with whichever of pos/neg/candidates the state carries."""
+    """The user state, then its scores against whichever of pos/neg/negatives/candidates the state carries.
 
-    def __init__(self, embedding_dim: int, *, negatives_per: NegativesPer = "user") -> None:
+    ``similarity="dot"`` (the SASRec paper's): a final layer norm, then dot products.
+    ``similarity="cosine"`` (generative-recommenders' SASRec): no final norm; the L2-normalised state
+    against L2-normalised items, divided by ``temperature``.
+    """
+
+    def __init__(
+        self,
+        embedding_dim: int,
+        *,
+        negatives_per: NegativesPer = "user",
+        similarity: Similarity = "dot",
+        temperature: float = 1.0,
+    ) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(embedding_dim, eps=NORM_EPS)
+        self.norm = nn.LayerNorm(embedding_dim, eps=NORM_EPS) if similarity == "dot" else None
         self.negatives_per = negatives_per
+        self.temperature = temperature
 
     def forward(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        hidden = self.norm(state["hidden"])  # (B, L, D)
+        if self.norm is not None:
+            hidden = self.norm(state["hidden"])  # (B, L, D)
+            scaled, items = hidden, (lambda x: x)
+        else:
+            hidden = l2_normalize(state["hidden"])
+            scaled, items = hidden / self.temperature, l2_normalize
         out = {"hidden": hidden}
         if "pos" in state:
-            out["pos_logits"] = (hidden * state["pos"]).sum(-1)  # (B, L)
+            out["pos_logits"] = (scaled * items(state["pos"])).sum(-1)  # (B, L)
         if "neg" in state:
-            out["neg_logits"] = (hidden * state["neg"]).sum(-1)  # (B, L)
+            out["neg_logits"] = (scaled * items(state["neg"])).sum(-1)  # (B, L)
         if "negatives" in state:
-            out["negatives_logits"] = negatives_logits(hidden, state["negatives"], self.negatives_per)
+            out["negatives_logits"] = negatives_logits(scaled, items(state["negatives"]), self.negatives_per)
         if "candidates" in state:
-            out["candidate_logits"] = candidate_logits(hidden, state["candidates"])
+            out["candidate_logits"] = candidate_logits(scaled, items(state["candidates"]))
         return out
 
 
@@ -119,10 +141,16 @@ class SASRec(nn.Module):
         dropout: float = 0.2,
         loss: Loss = "bce",
         negatives_per: NegativesPer = "user",
+        similarity: Similarity = "dot",
+        temperature: float = 1.0,
     ) -> None:
         super().__init__()
         if loss not in ("bce", "sampled_softmax"):
             raise ValueError(f"SASRec loss must be 'bce' or 'sampled_softmax', not {loss!r}")
+        if similarity not in ("dot", "cosine"):
+            raise ValueError(f"SASRec similarity must be 'dot' or 'cosine', not {similarity!r}")
+        if temperature <= 0:
+            raise ValueError(f"SASRec temperature must be > 0, got {temperature}")
         check_negatives_per(negatives_per)
         self.loss_name = loss
         self.embedding = SASRecEmbedding(embedding_dim, max_length=max_length, dropout=dropout)
@@ -137,7 +165,9 @@ class SASRec(nn.Module):
             norm_eps=NORM_EPS,
             causal=True,
         )
-        self.head = SASRecHead(embedding_dim, negatives_per=negatives_per)
+        self.head = SASRecHead(
+            embedding_dim, negatives_per=negatives_per, similarity=similarity, temperature=temperature
+        )
         self._initialise_blocks()
 
     def _initialise_blocks(self) -> None:
@@ -196,6 +226,11 @@ def candidate_logits(hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Te
 
 
 NegativesPer = Literal["user", "position"]
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / max(||x||, 1e-6) over the last dimension (generative-recommenders' L2 norm, eps-clamped)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=L2_NORM_EPS)
 
 
 def negatives_logits(hidden: torch.Tensor, negatives: torch.Tensor, per: NegativesPer) -> torch.Tensor:

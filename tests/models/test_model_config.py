@@ -95,6 +95,8 @@ def test_constructor_arguments_are_the_sizes_and_fields() -> None:
         "dropout": 0.2,
         "loss": "bce",
         "negatives_per": "user",
+        "similarity": "dot",
+        "temperature": 1.0,
     }
     assert constructor_arguments(DCNv2Config(low_rank=2, dense_init="xavier_normal"), sizes) == {
         **sizes,

@@ -239,3 +239,39 @@ def test_negatives_per_is_checked_and_reaches_both_heads() -> None:
         HSTU(DIM, negatives_per="batch")  # type: ignore[arg-type]
     assert SASRec(DIM, loss="sampled_softmax", negatives_per="position").head.negatives_per == "position"
     assert HSTU(DIM, negatives_per="position").head.negatives_per == "position"
+
+
+def test_cosine_similarity_is_the_normalised_block_output_over_the_temperature() -> None:
+    """Oracle: torch's F.normalize and cross_entropy on the blocks' output (no final layer norm)."""
+    torch.manual_seed(0)
+    model = SASRec(
+        DIM, max_length=LENGTH, dropout=0.0, loss="sampled_softmax", similarity="cosine", temperature=0.05
+    )
+    assert model.head.norm is None and not list(model.head.parameters())
+    generator = torch.Generator().manual_seed(1)
+    table = torch.randn(NUM_ITEMS + 1, DIM, generator=generator)
+    items = torch.randint(1, NUM_ITEMS + 1, (3, LENGTH + 1), generator=generator)
+    items = items * (torch.arange(LENGTH + 1) >= torch.tensor([[0], [2], [6]]))
+    seq, pos = items[:, :-1], items[:, 1:]
+    negatives = torch.randint(1, NUM_ITEMS + 1, (3, NEGATIVES), generator=generator)
+    inp = ModelInput(
+        dense=torch.zeros(3, 0),
+        pooled=torch.zeros(3, 0, DIM),
+        sequences={"seq": table[seq], "pos": table[pos], "negatives": table[negatives], "candidates": table},
+        masks={"seq": seq != 0, "pos": pos != 0},
+    )
+    hidden = functional.normalize(model.blocks(model.embedding(inp))["hidden"], dim=-1, eps=1e-6)
+    positive = (hidden * functional.normalize(table[pos], dim=-1)).sum(-1, keepdim=True) / 0.05
+    negative = hidden @ functional.normalize(table[negatives], dim=-1).transpose(1, 2) / 0.05
+    logits = torch.cat([positive, negative], dim=-1)[pos != 0]
+    expected = functional.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long))
+    loss, _ = model.loss(inp)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    ranked = model(inp)  # (B, items): the last position against every row of the table
+    torch.testing.assert_close(
+        ranked, hidden[:, -1] @ functional.normalize(table, dim=-1).T / 0.05, rtol=1e-5, atol=1e-4
+    )
+    with pytest.raises(ValueError, match="similarity"):
+        SASRec(DIM, similarity="l2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="temperature"):
+        SASRec(DIM, similarity="cosine", temperature=0.0)
