@@ -126,6 +126,12 @@ _SYSTEMS = [
         fp32_twin="psrec",
     ),
     _in_process(
+        "psrec-compile",
+        "(c) psrec in-process fp32, torch.compile",
+        "ceiling-compile",
+        options=PsrecOptions(compile_model=True),
+    ),
+    _in_process(
         "psrec-bf16-compile",
         "(c) psrec in-process, bf16 dense, torch.compile",
         "ceiling-bf16-compile",
@@ -193,6 +199,12 @@ _SYSTEMS = [
         ceiling="ceiling-bf16",
         precision="bf16",
         fp32_twin="ceiling",
+    ),
+    System(
+        "ceiling-compile",
+        "(e) dense-only ceiling fp32, torch.compile",
+        partial(torch_systems.run_ceiling, compile_model=True),
+        ceiling="ceiling-compile",
     ),
     System(
         "ceiling-bf16-compile",
