@@ -49,6 +49,10 @@ class ModelInput:
     # name -> (B, L + 1) int64 event times (seconds) of a sequence's items, aligned with it (left-padded),
     # then the time of the event predicted after its last item; HSTU's time bias reads "seq" when given.
     timestamps: dict[str, torch.Tensor] = field(default_factory=dict)
+    # name -> (B, L) int64 batch-local number of each item of a sequence (the same number in every
+    # sequence of the same table = the same item; -1 at padding), set by the trainer: the sampled
+    # softmax masks a negative that is the position's own next item ("accidental hit") with them.
+    ids: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class RecommendationModel(Protocol):

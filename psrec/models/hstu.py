@@ -59,13 +59,14 @@ from psrec.models.sasrec import (
     candidate_logits,
     check_negatives_per,
     check_next_item_inputs,
+    hit_ids,
     l2_normalize,
     negatives_logits,
     next_item_loss,
+    target_state,
 )
 from psrec.models.transformer import Dropout
 
-TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
 Loss = Literal["bce", "sampled_softmax"]
 NORM_EPS = 1e-6
 NUM_TIME_BUCKETS = 128  # the reference's
@@ -95,7 +96,7 @@ class HSTUEmbedding(nn.Module):
         state = {"hidden": hidden * mask.unsqueeze(-1).to(hidden.dtype), "mask": mask}
         if "seq" in inp.timestamps:
             state["times"] = inp.timestamps["seq"]  # (B, L + 1) int64
-        state.update({name: inp.sequences[name] for name in TARGET_SEQUENCES if name in inp.sequences})
+        state.update(target_state(inp))
         return state
 
 
@@ -246,7 +247,9 @@ class HSTUHead(nn.Module):
             out["neg_logits"] = (scaled * l2_normalize(state["neg"])).sum(-1)  # (B, L)
         if "negatives" in state:
             negatives = l2_normalize(state["negatives"])  # (B, N, D)
-            out["negatives_logits"] = negatives_logits(scaled, negatives, self.negatives_per)  # (B, L, N)
+            out["negatives_logits"] = negatives_logits(  # (B, L, N)
+                scaled, negatives, self.negatives_per, hit_ids(state)
+            )
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(scaled, l2_normalize(state["candidates"]))
         return out

@@ -57,6 +57,7 @@ from psrec.models.base import ModelInput, ModelStages
 from psrec.models.transformer import Dropout, TransformerBlock, TransformerStack
 
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
+HIT_IDS = ("pos", "negatives")  # sequences whose `ModelInput.ids` pass to the head as "<name>_ids"
 Loss = Literal["bce", "sampled_softmax"]
 NORM_EPS = 1e-8
 L2_NORM_EPS = 1e-6  # generative-recommenders' l2_norm_eps
@@ -84,7 +85,7 @@ class SASRecEmbedding(nn.Module):
         hidden = self.dropout(sequence * self.scale + self.positions[self.max_length - length :])
         hidden = hidden * mask.unsqueeze(-1).to(hidden.dtype)
         state = {"hidden": hidden, "mask": mask}
-        state.update({name: inp.sequences[name] for name in TARGET_SEQUENCES if name in inp.sequences})
+        state.update(target_state(inp))
         return state
 
 
@@ -122,7 +123,9 @@ class SASRecHead(nn.Module):
         if "neg" in state:
             out["neg_logits"] = (scaled * items(state["neg"])).sum(-1)  # (B, L)
         if "negatives" in state:
-            out["negatives_logits"] = negatives_logits(scaled, items(state["negatives"]), self.negatives_per)
+            out["negatives_logits"] = negatives_logits(
+                scaled, items(state["negatives"]), self.negatives_per, hit_ids(state)
+            )
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(scaled, items(state["candidates"]))
         return out
@@ -233,7 +236,27 @@ def l2_normalize(x: torch.Tensor) -> torch.Tensor:
     return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=L2_NORM_EPS)
 
 
-def negatives_logits(hidden: torch.Tensor, negatives: torch.Tensor, per: NegativesPer) -> torch.Tensor:
+def target_state(inp: ModelInput) -> dict[str, torch.Tensor]:
+    """What an embedding stage passes through to the head: the target sequences ("pos", "neg",
+    "negatives", "candidates") and, where the trainer numbered them, "pos_ids" and "negatives_ids"."""
+    state = {name: inp.sequences[name] for name in TARGET_SEQUENCES if name in inp.sequences}
+    state.update({f"{name}_ids": inp.ids[name] for name in HIT_IDS if name in inp.ids})
+    return state
+
+
+def hit_ids(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(pos ids (B, L), negatives ids (B, N)) when the state carries both, else None."""
+    if "pos_ids" in state and "negatives_ids" in state:
+        return state["pos_ids"], state["negatives_ids"]
+    return None
+
+
+def negatives_logits(
+    hidden: torch.Tensor,
+    negatives: torch.Tensor,
+    per: NegativesPer,
+    ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """(B, L, N) logits of each position's sampled-softmax negatives.
 
     hidden (B, L, D) and negatives (B, N, D), the N items drawn for each user of the batch.
@@ -241,16 +264,30 @@ def negatives_logits(hidden: torch.Tensor, negatives: torch.Tensor, per: Negativ
     the B * L positions are dealt at random (torch's generator, as dropout) into B groups of L, and
     each group scores one user's N draws, so a sequence's positions score different negatives, drawn
     from the whole batch's B * N (the reference draws N per position; this costs one batched matmul).
+
+    With `ids` ((B, L) numbers of each position's next item, (B, N) of the draws; `ModelInput.ids`),
+    a draw that is the position's own next item (an accidental hit) gets the dtype's lowest logit:
+    it drops out of the softmax and gets no gradient, as the reference masks it.
     """
     if per == "user":
-        return hidden @ negatives.transpose(1, 2)
+        logits = hidden @ negatives.transpose(1, 2)
+        return logits if ids is None else _mask_hits(logits, ids[0], ids[1])
     batch, length, dim = hidden.shape
     order = torch.randperm(batch * length, device=hidden.device)
     dealt = hidden.reshape(batch * length, dim)[order].view(batch, length, dim)  # group g = rows g*L..
-    logits = torch.bmm(dealt, negatives.transpose(1, 2)).reshape(batch * length, -1)  # (B*L, N)
+    logits = torch.bmm(dealt, negatives.transpose(1, 2))  # (B, L, N)
+    if ids is not None:
+        logits = _mask_hits(logits, ids[0].reshape(batch * length)[order].view(batch, length), ids[1])
+    logits = logits.reshape(batch * length, -1)  # (B*L, N)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return logits[inverse].view(batch, length, -1)
+
+
+def _mask_hits(logits: torch.Tensor, pos_ids: torch.Tensor, negatives_ids: torch.Tensor) -> torch.Tensor:
+    """logits (B, L, N) with the lowest value where group b's draw n is position (b, l)'s next item."""
+    hits = pos_ids.unsqueeze(-1) == negatives_ids.unsqueeze(1)  # (B, L, N)
+    return logits.masked_fill(hits, torch.finfo(logits.dtype).min)
 
 
 def check_negatives_per(per: str) -> None:

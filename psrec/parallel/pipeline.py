@@ -113,6 +113,8 @@ def input_keys(inp: ModelInput) -> tuple[str, ...]:
             keys.append(f"mask:{name}")
         if name in inp.timestamps:
             keys.append(f"timestamps:{name}")
+        if name in inp.ids:
+            keys.append(f"ids:{name}")
     return tuple(keys)
 
 
@@ -126,13 +128,15 @@ def flatten_input(inp: ModelInput, keys: tuple[str, ...]) -> tuple[torch.Tensor,
             out.append(inp.masks[name])
         elif kind == "timestamps":
             out.append(inp.timestamps[name])
+        elif kind == "ids":
+            out.append(inp.ids[name])
         else:
             out.append(getattr(inp, kind))
     return tuple(out)
 
 
 def unflatten_input(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> ModelInput:
-    fields: dict[str, Any] = {"linear": None, "sequences": {}, "masks": {}, "timestamps": {}}
+    fields: dict[str, Any] = {"linear": None, "sequences": {}, "masks": {}, "timestamps": {}, "ids": {}}
     for key, tensor in zip(keys, tensors, strict=True):
         kind, _, name = key.partition(":")
         if kind == "sequence":
@@ -141,6 +145,8 @@ def unflatten_input(keys: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) ->
             fields["masks"][name] = tensor.bool()
         elif kind == "timestamps":
             fields["timestamps"][name] = tensor
+        elif kind == "ids":
+            fields["ids"][name] = tensor
         else:
             fields[kind] = tensor
     return ModelInput(**fields)

@@ -394,15 +394,16 @@ class BatchLookup:
         else:  # sequence-only models (SASRec)
             dim = next(iter(self.client.table_dims.values()), 1)
             pooled = torch.zeros(b, 0, dim, device=device)
-        sequences, masks = {}, {}
+        sequences, masks, ids = {}, {}, {}
         for f in plan.sequences:
             assert f.mask is not None
             sequences[f.name] = _sequence(leaves.table(f.table), f, index)
             masks[f.name] = index(f.mask)
+            ids[f.name] = index(_sequence_ids(f))
         dense_input = (
             torch.from_numpy(np.require(dense, requirements="W")) if device is None else index(dense)
         )
-        return ModelInput(dense_input, pooled, linear, sequences, masks), leaves
+        return ModelInput(dense_input, pooled, linear, sequences, masks, ids=ids), leaves
 
     # -- push ----------------------------------------------------------------------------------
     def submit_push(
@@ -451,6 +452,14 @@ def _sequence(
     index = np.full(b * length, weight.shape[0], dtype=np.int64)
     index[feature.mask.reshape(-1)] = feature.inverse
     return padded.index_select(0, to_tensor(index)).view(b, length, weight.shape[1])  # (B, L, D)
+
+
+def _sequence_ids(feature: FeatureIndex) -> np.ndarray:
+    """(B, L) int64: each item's row among the batch's pulled rows (`ModelInput.ids`), -1 at padding."""
+    assert feature.mask is not None
+    ids = np.full(feature.mask.shape, -1, dtype=np.int64)
+    ids[feature.mask] = feature.inverse
+    return ids
 
 
 def _gather(rows: torch.Tensor, index: torch.Tensor, features: int) -> torch.Tensor:

@@ -230,6 +230,51 @@ def test_negatives_per_position_scores_every_user_draws_at_exactly_length_positi
     )
 
 
+@pytest.mark.parametrize("per", ["user", "position"])
+def test_a_draw_that_is_the_position_own_next_item_is_masked(per: str) -> None:
+    """Oracle: per row, the cross-entropy over the positive and only the draws that are other items
+    (the reference's accidental-hit mask), and the unmasked deal of the same seed."""
+    from psrec.models.sasrec import negatives_logits
+
+    batch, length, count, dim = 5, 7, 6, 4
+    hidden = torch.randn(batch, length, dim, dtype=torch.float64, requires_grad=True)
+    negatives = torch.randn(batch, count, dim, dtype=torch.float64)
+    pos_ids = torch.randint(0, 8, (batch, length))  # few items: hits are common
+    negatives_ids = torch.randint(0, 8, (batch, count))
+    torch.manual_seed(5)
+    plain = negatives_logits(hidden, negatives, per)  # type: ignore[arg-type]
+    torch.manual_seed(5)
+    masked = negatives_logits(hidden, negatives, per, (pos_ids, negatives_ids))  # type: ignore[arg-type]
+    lowest = torch.finfo(masked.dtype).min
+    for b in range(batch):
+        for position in range(length):
+            group = b
+            if per == "position":
+                group = next(
+                    g
+                    for g in range(batch)
+                    if torch.equal(plain[b, position], hidden[b, position] @ negatives[g].T)
+                )
+            hits = negatives_ids[group] == pos_ids[b, position]
+            assert torch.equal(
+                masked[b, position][hits], torch.full((int(hits.sum()),), lowest, dtype=masked.dtype)
+            )
+            assert torch.equal(masked[b, position][~hits], plain[b, position][~hits])
+    assert (masked == lowest).any()
+    positive = torch.randn(batch, length, dtype=torch.float64)
+    loss = sampled_softmax_loss(positive.flatten(), masked.reshape(batch * length, count))
+    oracle = torch.stack(
+        [
+            torch.logsumexp(torch.cat([positive.flatten()[r : r + 1], row[row != lowest]]), 0)
+            - positive.flatten()[r]
+            for r, row in enumerate(masked.detach().reshape(batch * length, count))
+        ]
+    ).mean()
+    torch.testing.assert_close(loss, oracle)
+    loss.backward()
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
 def test_negatives_per_is_checked_and_reaches_both_heads() -> None:
     from psrec.models import HSTU
 

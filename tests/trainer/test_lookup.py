@@ -96,6 +96,13 @@ def test_client_matches_plain_pytorch_embedding(num_shards: int) -> None:
     )
     torch.testing.assert_close(inp.pooled, torch.stack([pooled_a, pooled_b], dim=1))
     torch.testing.assert_close(inp.sequences["history"], seq)
+    # ModelInput.ids: -1 at padding; equal numbers exactly where the item ids are equal, each the
+    # item's row among the pulled rows
+    ids, real = inp.ids["history"], torch.from_numpy(history.mask)
+    assert ids.dtype == torch.int64 and (ids[~real] == -1).all()
+    items = torch.from_numpy(history.ids)[real]
+    assert torch.equal(ids[real][:, None] == ids[real][None, :], items[:, None] == items[None, :])
+    torch.testing.assert_close(weights.table("t")[ids[real]], seq[real])
 
     target = torch.arange(inp.pooled.numel(), dtype=torch.float32).view_as(inp.pooled) / 10
     loss = (inp.pooled * target).sum() + (inp.sequences["history"] ** 2).sum()
