@@ -99,7 +99,13 @@ def make_format_reader(
     from psrec.data.sequences import InteractionsFormat
 
     return InteractionsFormat(
-        local_files(files), schema, errors, seed=seed, allow_empty=source.allow_empty, holdout=source.holdout
+        local_files(files),
+        schema,
+        errors,
+        seed=seed,
+        allow_empty=source.allow_empty,
+        holdout=source.holdout,
+        negatives_from=source.negatives_from,
     )
 
 

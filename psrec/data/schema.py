@@ -212,6 +212,10 @@ class DataSource(_Strict):
       "last_two" (SASRec's split: validation = second-to-last, test = last) or "last"
       (generative-recommenders': train on all but the last item, evaluate on the last); see
       `psrec.data.sequences`.
+    - `negatives_from` (interactions with a "negatives" sequence, the sampled softmax's draws):
+      "unseen" draws them uniformly from the items the user never trained on; "all" uniformly from
+      all items, as generative-recommenders does (a draw that is a position's own next item is then
+      masked by the loss; see `psrec.models.sasrec.negatives_logits`).
     """
 
     format: Literal["criteo_tsv", "csv", "libfm", "parquet", "interactions"]
@@ -225,6 +229,7 @@ class DataSource(_Strict):
     allow_empty: bool = False
     growing: GrowingFiles | None = None
     holdout: Literal["last_two", "last"] = "last_two"
+    negatives_from: Literal["unseen", "all"] = "unseen"
 
     @model_validator(mode="after")
     def _check(self) -> DataSource:
@@ -246,6 +251,8 @@ class DataSource(_Strict):
             raise ValueError(f"delimiter/header/columns apply to csv and criteo_tsv, not {self.format!r}")
         if self.holdout != "last_two" and self.format != "interactions":
             raise ValueError(f"holdout applies to format 'interactions' only, not {self.format!r}")
+        if self.negatives_from != "unseen" and self.format != "interactions":
+            raise ValueError(f"negatives_from applies to format 'interactions' only, not {self.format!r}")
         if self.format == "csv" and self.header is False and not self.columns:
             raise ValueError("csv without a header needs `columns` (the column names in file order)")
         return self

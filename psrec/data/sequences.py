@@ -26,8 +26,10 @@ sequence, the batch's sequences are, right-aligned and cut to the last `max_leng
            rng(seed, user) so a resumed epoch draws the same negatives (the reader's seed changes
            every epoch: fresh negatives per epoch)
     "negatives": only when the schema has it (SASRec's sampled softmax): N = its max_length items
-           per user, uniform over the items the user never trained on (with replacement), drawn
-           from the same rng after "neg"; (B, N), shared by the user's positions
+           per user, uniform over the items the user never trained on (`negatives_from="unseen"`)
+           or over all items (`"all"`), with replacement, drawn from the same rng after "neg";
+           (B, N), scored by the user's positions or dealt to other positions (the model's
+           `negatives_per`)
 
 Evaluation (`evaluation_batches`): input = training sequence (+ the validation item for "test"),
 last `max_length` items; `"candidates"` (B, 1 + num_negatives) = the held-out item first, then
@@ -212,6 +214,7 @@ class InteractionsFormat:
         seed: int,
         allow_empty: bool = False,
         holdout: Holdout = "last_two",
+        negatives_from: Literal["unseen", "all"] = "unseen",
     ) -> None:
         available = {"label", "user", *SEQUENCE_COLUMNS, NEGATIVES}
         wanted = set(schema.label_names) | set(schema.feature_names)
@@ -222,6 +225,7 @@ class InteractionsFormat:
         self.schema = schema
         self.seed = seed
         self.holdout: Holdout = holdout
+        self.negatives_from = negatives_from
         self.num_negatives = next((f.max_length for f in schema.sequences if f.name == NEGATIVES), 0)
         files = [path for path in files if check_not_empty(str(path), allow_empty=allow_empty)]
         self.data = load_interactions(files, errors=errors)
@@ -252,7 +256,8 @@ class InteractionsFormat:
             rng = np.random.default_rng([self.seed, user])
             negatives.append(sample_negatives(rng, train.size - 1, self.data.num_items, train))
             if self.num_negatives:
-                shared.append(sample_negatives(rng, self.num_negatives, self.data.num_items, train))
+                exclude = train if self.negatives_from == "unseen" else train[:0]
+                shared.append(sample_negatives(rng, self.num_negatives, self.data.num_items, exclude))
         if not users:
             return
         lengths = np.array([train.size - 1 for train in inputs], dtype=np.int32)

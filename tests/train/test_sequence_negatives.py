@@ -32,9 +32,9 @@ def interactions(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def read(path: Path, schema: Schema, seed: int) -> dict[int, dict[str, np.ndarray]]:
+def read(path: Path, schema: Schema, seed: int, **source_options: Any) -> dict[int, dict[str, np.ndarray]]:
     """user -> {sequence name: its real ids} over one reader pass."""
-    source = DataSource(format="interactions", paths=[str(path)])
+    source = DataSource(format="interactions", paths=[str(path)], **source_options)
     out: dict[int, dict[str, np.ndarray]] = {}
     with open_reader(source, schema, batch_size=7, seed=seed) as reader:
         for batch in reader:
@@ -68,6 +68,27 @@ def test_each_user_gets_its_count_of_unseen_negatives_fresh_every_epoch(interact
     # Uniform over the unseen items: every item of some user's unseen set shows up over the epoch.
     drawn = np.concatenate([rows["negatives"] for rows in first.values()])
     assert np.unique(drawn).size == NUM_ITEMS
+
+
+def test_negatives_from_all_draws_uniformly_over_every_item(interactions: Path) -> None:
+    """Oracle: uniform draws over all items hit the user's own training items at the rate of their
+    share of the items (binomial), while the "unseen" draws never do; "neg" does not move."""
+    data = load_interactions([interactions])
+    schema = sasrec_schema(LENGTH, num_negatives=NEGATIVES)
+    unseen, every = read(interactions, schema, 7), read(interactions, schema, 7, negatives_from="all")
+    hits, expected, variance = 0, 0.0, 0.0
+    for user, rows in every.items():
+        train = data.split(int(np.searchsorted(data.users, user)))[0]
+        negatives = rows["negatives"]
+        assert negatives.shape == (NEGATIVES,) and ((negatives >= 1) & (negatives <= NUM_ITEMS)).all()
+        np.testing.assert_array_equal(rows["neg"], unseen[user]["neg"])
+        share = np.unique(train).size / NUM_ITEMS
+        hits += int(np.isin(negatives, train).sum())
+        expected += NEGATIVES * share
+        variance += NEGATIVES * share * (1 - share)
+    assert abs(hits - expected) < 5 * variance**0.5 and hits > 0
+    with pytest.raises(ValueError, match="negatives_from applies to format 'interactions' only"):
+        DataSource(format="csv", paths=["x.csv"], negatives_from="all")
 
 
 def sasrec_config(schema: Schema, **model: Any) -> dict[str, Any]:
