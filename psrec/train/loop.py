@@ -6,7 +6,8 @@ generating the synthetic Criteo-shaped set when the config asks for it), starts 
 (in-process or Ray) and drives it: every trainer runs `log_every_steps` steps at a time; between
 chunks, at step boundaries, the driver reports progress (callback + TensorBoard,
 `psrec.train.reporting`), evicts table rows as `embedding.*.eviction` says, evaluates on the
-validation split (end of every epoch and every `eval_every_steps`), keeps the best model under early
+validation split (the end of every `eval_every_epochs`-th epoch and of the last, and every
+`eval_every_steps`), keeps the best model under early
 stopping (decaying every learning rate on a plateau; the rule is
 `psrec.train.evaluation.decide_early_stopping`), and writes checkpoints (`psrec.train.checkpointing`;
 every `checkpoint.every_steps` / `every_seconds`).
@@ -225,7 +226,12 @@ class Driver:
                         break
                 if self.checkpoints.due(state.step) and not exhausted:
                     self._checkpoint()
-            if not state.stopped and "validation" in self.sources and self._evaluated_now() is None:
+            if (
+                not state.stopped
+                and "validation" in self.sources
+                and self._evaluated_now() is None
+                and self._epoch_evaluated(state.epoch)
+            ):
                 state.stopped = self._evaluate_and_decide()
             state.epoch_done = True
             self._checkpoint()
@@ -362,6 +368,11 @@ class Driver:
             self._evict_if_due()
 
     # -- evaluation and early stopping ------------------------------------------------------------
+    def _epoch_evaluated(self, epoch: int) -> bool:
+        """Whether the end of `epoch` (0-based) is validated: every `eval_every_epochs`-th and the last."""
+        training = self.config.training
+        return (epoch + 1) % training.eval_every_epochs == 0 or epoch + 1 >= training.epochs
+
     def _evaluated_now(self) -> dict[str, Any] | None:
         """The validation metrics of the model as it is, when it was evaluated at this step already."""
         history = self.state.history

@@ -86,3 +86,18 @@ def test_an_epochs_end_on_a_periodic_evaluation_is_not_evaluated_again(
     assert [entry["step"] for entry in summary["history"]] == [25, 50, 75, 100]
     assert calls == ["validation"] * 4
     _assert_metrics_of(summary["validation"], parts)
+
+
+def test_eval_every_epochs_validates_every_nth_epoch_end_and_the_last(
+    synthetic_sources: dict[str, Any], tmp_path: Path
+) -> None:
+    # 24,000 rows in batches of 960: 25 steps an epoch; 3 epochs, the 2nd validated, and the last
+    summary, calls, parts = _run(
+        synthetic_sources,
+        tmp_path / "run",
+        **{"training.batch_size": 960, "training.epochs": 3, "training.eval_every_epochs": 2},
+    )
+    assert summary["steps"] == 75
+    assert [(entry["epoch"], entry["step"]) for entry in summary["history"]] == [(1, 50), (2, 75)]
+    assert calls == ["validation"] * 2
+    _assert_metrics_of(summary["validation"], parts)
