@@ -24,9 +24,10 @@ positions trained per second.
   distinct items are gathered as leaf rows (the rows a trainer pulls), the sequences built from them
   with the accidental-hit numbers the trainer passes (`ModelInput.ids`), the rows' gradient copied
   into the table's and one `torch.optim.Adam` stepping the model and the whole table (the
-  ``lazy: false`` Adam of examples/ml1m_hstu.yaml). The negatives: 128 per user, never one of its
-  items (`psrec.data.sequences.sample_negatives`), shared by its positions (``--negatives-per user``)
-  or dealt across the batch's positions (``position``).
+  ``lazy: false`` Adam of examples/ml1m_hstu.yaml). The negatives: 128 per user uniform over all
+  items (`psrec.data.sequences.sample_negatives`, the examples' ``negatives_from: all``), dealt
+  across the batch's positions (``--negatives-per position``, the examples' setting) or shared by
+  the user's positions (``user``).
 - reference: `psrec/bench/hstu_reference_worker.py` under ``--reference-python``: the reference's
   own modules, item table (``nn.Embedding``), negatives sampler (128 per position) and
   SampledSoftmaxLoss, its step as its trainer runs it; that file says which CPU paths it takes.
@@ -188,7 +189,9 @@ def make_batches(
             length = min(history.size - 1, max_length)
             items[step, row, : length + 1] = history[-(length + 1) :]
             lengths[step, row] = length
-            negatives[step, row] = sample_negatives(rng, num_negatives, data.num_items, history)
+            negatives[step, row] = sample_negatives(
+                rng, num_negatives, data.num_items, history[:0]
+            )  # all items
     return Batches(items, lengths, negatives)
 
 
@@ -436,7 +439,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help=f"timed steps per run (after {WARMUP} warm-up)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data", default=DEFAULT_DATA, help="'user item' lines (ML-1M)")
-    parser.add_argument("--negatives-per", choices=["user", "position"], default="user", help="psrec's")
+    parser.add_argument("--negatives-per", choices=["user", "position"], default="position", help="psrec's")
     parser.add_argument(
         "--reference-bias",
         choices=["position", "time-and-position"],
