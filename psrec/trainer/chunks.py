@@ -65,7 +65,8 @@ class ChunkSoFar:
         self.samples += n
         self.loss_sum += result.loss * n
         if result.scores.ndim == 2:  # ranking models: [positive, negative] logits per sample
-            self.scores.append(1 / (1 + np.exp(-result.scores.reshape(-1))))
+            # sigmoid as exp(-log(1 + exp(-x))): no overflow for a masked negative's lowest logit
+            self.scores.append(np.exp(-np.logaddexp(0.0, -result.scores.reshape(-1))))
             self.labels.append(np.tile(np.array([1.0, 0.0], np.float32), n))
         else:
             self.scores.append(result.scores)
