@@ -61,10 +61,16 @@ def make_input(kind: str, seed: int, batch: int = BATCH) -> tuple[ModelInput, to
         return inp, mask.float()
     if kind.startswith("hstu"):  # the sampled softmax with timestamps (the time bias), or BCE without
         sequences = {"seq": leaf(batch, LENGTH, DIM), "pos": leaf(batch, LENGTH, DIM)}
-        times = {}
+        times, ids = {}, {}
         if kind == "hstu_softmax":
             sequences["negatives"] = leaf(batch, 5, DIM)
             times["seq"] = torch.randint(0, 10**6, (batch, LENGTH + 1), generator=generator).cumsum(1)
+            # item numbers from a few items, so that some draws are their position's own next item
+            # (masked by the loss): the numbers travel between stages with the rows
+            ids = {
+                "pos": torch.randint(0, 4, (batch, LENGTH), generator=generator),
+                "negatives": torch.randint(0, 4, (batch, 5), generator=generator),
+            }
         else:
             sequences["neg"] = leaf(batch, LENGTH, DIM)
         inp = ModelInput(
@@ -74,6 +80,7 @@ def make_input(kind: str, seed: int, batch: int = BATCH) -> tuple[ModelInput, to
             sequences,
             {"seq": mask},
             timestamps=times,
+            ids=ids,
         )
         return inp, mask.float()
     inp = ModelInput(
