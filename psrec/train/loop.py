@@ -152,7 +152,8 @@ class Driver:
         self.run_dir = str(config.run_dir)
         self.state = TrainState()
         self.running = BinaryMetricAccumulator(window=100_000) if not self.continuous else self.stream.metrics
-        self.train_seconds = 0.0
+        self.train_seconds = 0.0  # of this process; so are the samples that go with them:
+        self.timed_samples = 0  # state.samples also counts those trained before a resume
         self.phase_seconds: dict[str, float] = {}
         self.bytes_pulled = 0
         self.bytes_pushed = 0
@@ -288,6 +289,11 @@ class Driver:
             total = min(total, training.max_steps) if total is not None else training.max_steps
         return total
 
+    def samples_per_second(self) -> float:
+        """Samples trained per second of training, by this process (a resumed run's earlier
+        samples took time that `train_seconds` does not hold)."""
+        return self.timed_samples / max(self.train_seconds, 1e-9)
+
     def _due(self, every: int | None) -> bool:
         return every is not None and self.state.step % every == 0
 
@@ -295,6 +301,7 @@ class Driver:
         start = time.perf_counter()
         results = self.runtime.train_steps(max_steps)
         self.train_seconds += time.perf_counter() - start
+        self.timed_samples += sum(result.samples for result in results)
         self._absorb(results)
         if self.continuous:
             self._report_stream(results)
@@ -307,7 +314,7 @@ class Driver:
                 "samples": self.state.samples,
                 "loss": sum(r.loss_sum for r in results) / max(1, samples),
                 "running_auc": self.running.compute()["auc"] if len(self.running) else float("nan"),
-                "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
+                "samples_per_second": self.samples_per_second(),
             }
             write_scalars(self.writer, "train", report, self.state.step)
             report["phase_seconds"] = dict(self.phase_seconds)  # cumulative, for profiles of a window
@@ -338,7 +345,7 @@ class Driver:
                     "epoch": self.state.epoch,
                     "loss": sum(r.loss_sum for r in results) / samples if samples else float("nan"),
                     "running_auc": point["progressive_auc"],
-                    "samples_per_second": self.state.samples / max(self.train_seconds, 1e-9),
+                    "samples_per_second": self.samples_per_second(),
                     "phase_seconds": dict(self.phase_seconds),
                 }
             )
@@ -535,7 +542,7 @@ class Driver:
             "epochs": state.epoch + (1 if state.epoch_done else 0),
             "samples": state.samples,
             "train_seconds": self.train_seconds,
-            "samples_per_second": state.samples / max(self.train_seconds, 1e-9),
+            "samples_per_second": self.samples_per_second(),
             "best_step": state.best_step,
             "best_model": best_model,
             "history": state.history,

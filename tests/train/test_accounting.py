@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -58,3 +59,7 @@ def test_a_resumed_run_counts_every_row_once(synthetic_sources: dict[str, Any], 
     resumed = train(small_run_config(synthetic_sources, run_dir, **settings))
     assert resumed["resumed_from"]["step"] == 30
     assert resumed["rows_consumed"] == resumed["rows_consumed_unique"] == 24_000
+    # the rate is of this process's samples over its train seconds, not of the run's whole count
+    trained_here = resumed["samples"] - first["samples"]
+    assert 0 < trained_here < resumed["samples"]
+    assert resumed["samples_per_second"] * resumed["train_seconds"] == pytest.approx(trained_here)
