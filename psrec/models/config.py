@@ -127,7 +127,7 @@ class SASRecConfig(_ModelConfigBase):
     # data schema's "negatives" sequence (N uniform items per user; N = its max_length).
     loss: Literal["bce", "sampled_softmax"] = "bce"
     # sampled_softmax: user = every position of a sequence scores its user's N negatives; position =
-    # each position scores the N of a random user of the batch (negatives differ along a sequence).
+    # each position scores its own N, picked uniformly from the batch's B * N draws (the reference's).
     negatives_per: Literal["user", "position"] = "user"
     # dot: final layer norm and dot products (the paper's); cosine: L2-normalised user state and items
     # / temperature, no final norm (generative-recommenders' SASRec, its ML-1M configs: 0.05).
@@ -152,7 +152,7 @@ class HSTUConfig(_ModelConfigBase):
     # sampled_softmax (the reference's): the data schema's "negatives" (N items per user); bce: "neg".
     loss: Literal["bce", "sampled_softmax"] = "sampled_softmax"
     # user = every position of a sequence scores its user's N negatives; position = each position
-    # scores the N of a random user of the batch (the reference draws N per position).
+    # scores its own N, picked uniformly from the batch's B * N draws (the reference's).
     negatives_per: Literal["user", "position"] = "user"
     # Run the blocks on the packed real tokens (psrec/models/jagged.py); false: on the padded batch,
     # the dense oracle (same weights, same results within float rounding, slower).

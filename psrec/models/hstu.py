@@ -248,7 +248,7 @@ class HSTUHead(nn.Module):
         if "negatives" in state:
             negatives = l2_normalize(state["negatives"])  # (B, N, D)
             out["negatives_logits"] = negatives_logits(  # (B, L, N)
-                scaled, negatives, self.negatives_per, hit_ids(state)
+                scaled, negatives, self.negatives_per, hit_ids(state), state.get("mask")
             )
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(scaled, l2_normalize(state["candidates"]))

@@ -54,6 +54,7 @@ import torch.nn.functional as functional
 from torch import nn
 
 from psrec.models.base import ModelInput, ModelStages
+from psrec.models.pooled_negatives import pooled_negatives_logits
 from psrec.models.transformer import Dropout, TransformerBlock, TransformerStack
 
 TARGET_SEQUENCES = ("pos", "neg", "negatives", "candidates")
@@ -124,7 +125,7 @@ class SASRecHead(nn.Module):
             out["neg_logits"] = (scaled * items(state["neg"])).sum(-1)  # (B, L)
         if "negatives" in state:
             out["negatives_logits"] = negatives_logits(
-                scaled, items(state["negatives"]), self.negatives_per, hit_ids(state)
+                scaled, items(state["negatives"]), self.negatives_per, hit_ids(state), state.get("mask")
             )
         if "candidates" in state:
             out["candidate_logits"] = candidate_logits(scaled, items(state["candidates"]))
@@ -256,14 +257,15 @@ def negatives_logits(
     negatives: torch.Tensor,
     per: NegativesPer,
     ids: tuple[torch.Tensor, torch.Tensor] | None = None,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(B, L, N) logits of each position's sampled-softmax negatives.
 
     hidden (B, L, D) and negatives (B, N, D), the N items drawn for each user of the batch.
     ``per="user"``: every position of a sequence scores its own user's N draws. ``per="position"``:
-    the B * L positions are dealt at random (torch's generator, as dropout) into B groups of L, and
-    each group scores one user's N draws, so a sequence's positions score different negatives, drawn
-    from the whole batch's B * N (the reference draws N per position; this costs one batched matmul).
+    every position scores its own N, each picked uniformly (torch's generator, as dropout) from the
+    batch's B * N draws, as the reference draws N per position (psrec/models/pooled_negatives.py);
+    positions where `real` (B, L) is False get logits of 0.
 
     With `ids` ((B, L) numbers of each position's next item, (B, N) of the draws; `ModelInput.ids`),
     a draw that is the position's own next item (an accidental hit) gets the dtype's lowest logit:
@@ -273,15 +275,24 @@ def negatives_logits(
         logits = hidden @ negatives.transpose(1, 2)
         return logits if ids is None else _mask_hits(logits, ids[0], ids[1])
     batch, length, dim = hidden.shape
-    order = torch.randperm(batch * length, device=hidden.device)
-    dealt = hidden.reshape(batch * length, dim)[order].view(batch, length, dim)  # group g = rows g*L..
-    logits = torch.bmm(dealt, negatives.transpose(1, 2))  # (B, L, N)
-    if ids is not None:
-        logits = _mask_hits(logits, ids[0].reshape(batch * length)[order].view(batch, length), ids[1])
-    logits = logits.reshape(batch * length, -1)  # (B*L, N)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return logits[inverse].view(batch, length, -1)
+    count = negatives.shape[1]
+    picks = torch.randint(0, batch * count, (batch * length, count), device=hidden.device)
+    if ids is None:  # no item numbers: nothing is masked
+        targets = torch.full((batch * length,), -1, dtype=torch.int64, device=hidden.device)
+        pool_ids = torch.zeros(batch * count, dtype=torch.int64, device=hidden.device)
+    else:
+        targets, pool_ids = ids[0].reshape(-1), ids[1].reshape(-1)
+    if real is None:
+        real = torch.ones(batch, length, dtype=torch.bool, device=hidden.device)
+    logits = pooled_negatives_logits(
+        hidden.reshape(batch * length, dim),
+        negatives.reshape(batch * count, dim),
+        picks,
+        real=real.reshape(-1),
+        targets=targets,
+        pool_ids=pool_ids,
+    )
+    return logits.view(batch, length, count)
 
 
 def _mask_hits(logits: torch.Tensor, pos_ids: torch.Tensor, negatives_ids: torch.Tensor) -> torch.Tensor:

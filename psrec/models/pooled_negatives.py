@@ -1,0 +1,176 @@
+"""Sampled-softmax logits of each position against its own negatives, picked from the batch's pool.
+
+The reference HSTU/SASRec trainers (generative-recommenders) draw N uniform negatives for every
+position of the batch. Gathering B * L * N rows of width D costs B * L * N * D floats of memory
+(655 MB for HSTU-large's batch: 128 users, 200 positions, 128 negatives, D = 50) and as much again
+for their gradient. psrec's reader draws N uniform items per user (the batch's pool of B * N rows,
+looked up once from the PS), and each real position picks its own N rows of that pool uniformly at
+random. Every pick is a uniform item, as a draw of its own would be; two positions share an item only
+as often as two picks hit the same of the pool's B * N rows.
+
+The logits never materialise the gathered rows: a numba kernel computes
+
+    logits[r, k] = q[r] . pool[picks[r, k]]
+
+for the real positions r only (padded positions get 0), and a pick whose item is the position's own
+next item (an accidental hit) gets the logits dtype's lowest value, so it drops out of the softmax and takes no
+gradient, as the reference masks it. The backward pass computes dq[r] = sum_k g[r, k] pool[picks[r, k]]
+and scatters g[r, k] q[r] into the pool's rows. Arithmetic is float32 whatever the inputs' dtype; the
+logits come back in `q`'s dtype. Its oracle is the gather-and-multiply in PyTorch
+(tests/models/test_pooled_negatives.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+LOWEST = float(np.finfo(np.float32).min)
+
+
+@numba.njit(cache=True, nogil=True)
+def _logits_kernel(
+    queries: np.ndarray,  # (R, D) float32
+    pool: np.ndarray,  # (M, D) float32
+    picks: np.ndarray,  # (R, N) int64
+    real: np.ndarray,  # (R,) bool
+    targets: np.ndarray,  # (R,) int64 item numbers of each position's next item
+    pool_ids: np.ndarray,  # (M,) int64 item numbers of the pool's rows
+    out: np.ndarray,  # (R, N) float32
+) -> None:
+    rows, count = picks.shape
+    dim = queries.shape[1]
+    for r in range(rows):
+        if not real[r]:
+            for k in range(count):
+                out[r, k] = 0.0
+            continue
+        target = targets[r]
+        for k in range(count):
+            m = picks[r, k]
+            if pool_ids[m] == target:
+                out[r, k] = LOWEST
+                continue
+            total = np.float32(0.0)
+            for d in range(dim):
+                total += queries[r, d] * pool[m, d]
+            out[r, k] = total
+
+
+@numba.njit(cache=True, nogil=True)
+def _grad_kernel(
+    grad: np.ndarray,  # (R, N) float32
+    queries: np.ndarray,  # (R, D) float32
+    pool: np.ndarray,  # (M, D) float32
+    picks: np.ndarray,  # (R, N) int64
+    real: np.ndarray,  # (R,) bool
+    targets: np.ndarray,  # (R,) int64
+    pool_ids: np.ndarray,  # (M,) int64
+    grad_queries: np.ndarray,  # (R, D) float32, zeroed
+    grad_pool: np.ndarray,  # (M, D) float32, zeroed
+) -> None:
+    rows, count = picks.shape
+    dim = queries.shape[1]
+    for r in range(rows):
+        if not real[r]:
+            continue
+        target = targets[r]
+        for k in range(count):
+            m = picks[r, k]
+            g = grad[r, k]
+            if g == 0.0 or pool_ids[m] == target:
+                continue
+            for d in range(dim):
+                grad_queries[r, d] += g * pool[m, d]
+                grad_pool[m, d] += g * queries[r, d]
+
+
+def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    return tensor.detach().to(dtype).contiguous().numpy()
+
+
+class _PooledLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        queries: torch.Tensor,
+        pool: torch.Tensor,
+        picks: torch.Tensor,
+        real: torch.Tensor,
+        targets: torch.Tensor,
+        pool_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        arrays = (
+            _as_numpy(queries, torch.float32),
+            _as_numpy(pool, torch.float32),
+            _as_numpy(picks, torch.int64),
+            _as_numpy(real, torch.bool),
+            _as_numpy(targets, torch.int64),
+            _as_numpy(pool_ids, torch.int64),
+        )
+        out = np.empty(picks.shape, dtype=np.float32)
+        _logits_kernel(*arrays, out)
+        ctx.arrays = arrays
+        ctx.dtypes = (queries.dtype, pool.dtype)
+        logits = torch.from_numpy(out)
+        if queries.dtype == torch.float32:
+            return logits
+        lowest = logits == LOWEST  # float32's lowest is -inf in bf16: the dtype's own lowest instead
+        return logits.to(queries.dtype).masked_fill(lowest, torch.finfo(queries.dtype).min)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        queries, pool, picks, real, targets, pool_ids = ctx.arrays
+        grad_queries = np.zeros_like(queries)
+        grad_pool = np.zeros_like(pool)
+        _grad_kernel(
+            _as_numpy(grad, torch.float32),
+            queries,
+            pool,
+            picks,
+            real,
+            targets,
+            pool_ids,
+            grad_queries,
+            grad_pool,
+        )
+        query_dtype, pool_dtype = ctx.dtypes
+        return (
+            torch.from_numpy(grad_queries).to(query_dtype),
+            torch.from_numpy(grad_pool).to(pool_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def pooled_negatives_logits(
+    queries: torch.Tensor,
+    pool: torch.Tensor,
+    picks: torch.Tensor,
+    *,
+    real: torch.Tensor,
+    targets: torch.Tensor,
+    pool_ids: torch.Tensor,
+) -> torch.Tensor:
+    """(R, N) logits of R positions against their own N picks of the pool (module docstring).
+
+    queries (R, D); pool (M, D); picks (R, N) row numbers in [0, M); real (R,) bool, False for padded
+    positions (their logits are 0); targets (R,) each position's next item number, pool_ids (M,) the
+    pool rows' item numbers (a pick of the position's own target gets the dtype's lowest logit)."""
+    if picks.dim() != 2 or queries.dim() != 2 or pool.dim() != 2 or picks.shape[0] != queries.shape[0]:
+        raise ValueError(
+            f"queries (R, D), pool (M, D) and picks (R, N) expected, got {tuple(queries.shape)}, "
+            f"{tuple(pool.shape)}, {tuple(picks.shape)}"
+        )
+    if queries.device.type != "cpu":  # the kernel is CPU's; elsewhere gather and multiply
+        rows = pool[picks]  # (R, N, D)
+        logits = torch.einsum("rd,rnd->rn", queries, rows)
+        logits = logits.masked_fill(pool_ids[picks] == targets.unsqueeze(-1), torch.finfo(logits.dtype).min)
+        return logits * real.unsqueeze(-1).to(logits.dtype)
+    result: torch.Tensor = _PooledLogits.apply(queries, pool, picks, real, targets, pool_ids)
+    return result
