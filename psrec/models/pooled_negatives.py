@@ -94,7 +94,7 @@ def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 class _PooledLogits(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         queries: torch.Tensor,
         pool: torch.Tensor,
@@ -122,7 +122,7 @@ class _PooledLogits(torch.autograd.Function):
         return logits.to(queries.dtype).masked_fill(lowest, torch.finfo(queries.dtype).min)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         queries, pool, picks, real, targets, pool_ids = ctx.arrays
         grad_queries = np.zeros_like(queries)
         grad_pool = np.zeros_like(pool)
