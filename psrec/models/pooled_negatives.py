@@ -31,7 +31,7 @@ import torch
 LOWEST = float(np.finfo(np.float32).min)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _logits_kernel(
     queries: np.ndarray,  # (R, D) float32
     pool: np.ndarray,  # (M, D) float32
@@ -60,7 +60,7 @@ def _logits_kernel(
             out[r, k] = total
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=True, nogil=True, fastmath=True)
 def _grad_kernel(
     grad: np.ndarray,  # (R, N) float32
     queries: np.ndarray,  # (R, D) float32
@@ -74,18 +74,21 @@ def _grad_kernel(
 ) -> None:
     rows, count = picks.shape
     dim = queries.shape[1]
+    total = np.zeros(dim, dtype=np.float32)  # grad_queries[r], summed in registers rather than memory
     for r in range(rows):
         if not real[r]:
             continue
         target = targets[r]
+        total[:] = 0.0
         for k in range(count):
             m = picks[r, k]
             g = grad[r, k]
             if g == 0.0 or pool_ids[m] == target:
                 continue
             for d in range(dim):
-                grad_queries[r, d] += g * pool[m, d]
+                total[d] += g * pool[m, d]
                 grad_pool[m, d] += g * queries[r, d]
+        grad_queries[r, :] = total
 
 
 def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
