@@ -25,9 +25,9 @@ positions trained per second.
   with the accidental-hit numbers the trainer passes (`ModelInput.ids`), the rows' gradient copied
   into the table's and one `torch.optim.Adam` stepping the model and the whole table (the
   ``lazy: false`` Adam of examples/ml1m_hstu.yaml). The negatives: 128 per user uniform over all
-  items (`psrec.data.sequences.sample_negatives`, the examples' ``negatives_from: all``), dealt
-  across the batch's positions (``--negatives-per position``, the examples' setting) or shared by
-  the user's positions (``user``).
+  items (`psrec.data.sequences.sample_negatives`, the examples' ``negatives_from: all``), each
+  position picking its own 128 from the batch's draws (``--negatives-per position``, the examples'
+  setting) or the user's positions sharing them (``user``).
 - reference: `psrec/bench/hstu_reference_worker.py` under ``--reference-python``: the reference's
   own modules, item table (``nn.Embedding``), negatives sampler (128 per position) and
   SampledSoftmaxLoss, its step as its trainer runs it; that file says which CPU paths it takes.

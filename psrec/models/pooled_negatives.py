@@ -34,11 +34,12 @@ LOWEST = float(np.finfo(np.float32).min)
 @numba.njit(cache=True, nogil=True, fastmath=True)
 def _logits_kernel(
     queries: np.ndarray,  # (R, D) float32
-    pool: np.ndarray,  # (M, D) float32
-    picks: np.ndarray,  # (R, N) int64
+    pool: np.ndarray,  # (U, D) float32, the pool's distinct items
+    picks: np.ndarray,  # (R, N) int64 rows of the pool as drawn, in [0, M)
+    rows_of: np.ndarray,  # (M,) int64: the row of `pool` that drawn row holds
     real: np.ndarray,  # (R,) bool
     targets: np.ndarray,  # (R,) int64 item numbers of each position's next item
-    pool_ids: np.ndarray,  # (M,) int64 item numbers of the pool's rows
+    pool_ids: np.ndarray,  # (U,) int64 item numbers of `pool`'s rows
     out: np.ndarray,  # (R, N) float32
 ) -> None:
     rows, count = picks.shape
@@ -50,7 +51,7 @@ def _logits_kernel(
             continue
         target = targets[r]
         for k in range(count):
-            m = picks[r, k]
+            m = rows_of[picks[r, k]]
             if pool_ids[m] == target:
                 out[r, k] = LOWEST
                 continue
@@ -64,13 +65,14 @@ def _logits_kernel(
 def _grad_kernel(
     grad: np.ndarray,  # (R, N) float32
     queries: np.ndarray,  # (R, D) float32
-    pool: np.ndarray,  # (M, D) float32
+    pool: np.ndarray,  # (U, D) float32
     picks: np.ndarray,  # (R, N) int64
+    rows_of: np.ndarray,  # (M,) int64
     real: np.ndarray,  # (R,) bool
     targets: np.ndarray,  # (R,) int64
-    pool_ids: np.ndarray,  # (M,) int64
+    pool_ids: np.ndarray,  # (U,) int64
     grad_queries: np.ndarray,  # (R, D) float32, zeroed
-    grad_pool: np.ndarray,  # (M, D) float32, zeroed
+    grad_pool: np.ndarray,  # (U, D) float32, zeroed
 ) -> None:
     rows, count = picks.shape
     dim = queries.shape[1]
@@ -81,7 +83,7 @@ def _grad_kernel(
         target = targets[r]
         total[:] = 0.0
         for k in range(count):
-            m = picks[r, k]
+            m = rows_of[picks[r, k]]
             g = grad[r, k]
             if g == 0.0 or pool_ids[m] == target:
                 continue
@@ -102,6 +104,7 @@ class _PooledLogits(torch.autograd.Function):
         queries: torch.Tensor,
         pool: torch.Tensor,
         picks: torch.Tensor,
+        rows_of: torch.Tensor,
         real: torch.Tensor,
         targets: torch.Tensor,
         pool_ids: torch.Tensor,
@@ -110,6 +113,7 @@ class _PooledLogits(torch.autograd.Function):
             _as_numpy(queries, torch.float32),
             _as_numpy(pool, torch.float32),
             _as_numpy(picks, torch.int64),
+            _as_numpy(rows_of, torch.int64),
             _as_numpy(real, torch.bool),
             _as_numpy(targets, torch.int64),
             _as_numpy(pool_ids, torch.int64),
@@ -126,7 +130,7 @@ class _PooledLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        queries, pool, picks, real, targets, pool_ids = ctx.arrays
+        queries, pool, picks, rows_of, real, targets, pool_ids = ctx.arrays
         grad_queries = np.zeros_like(queries)
         grad_pool = np.zeros_like(pool)
         _grad_kernel(
@@ -134,6 +138,7 @@ class _PooledLogits(torch.autograd.Function):
             queries,
             pool,
             picks,
+            rows_of,
             real,
             targets,
             pool_ids,
@@ -148,6 +153,7 @@ class _PooledLogits(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -157,23 +163,40 @@ def pooled_negatives_logits(
     picks: torch.Tensor,
     *,
     real: torch.Tensor,
-    targets: torch.Tensor,
-    pool_ids: torch.Tensor,
+    targets: torch.Tensor | None = None,
+    pool_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(R, N) logits of R positions against their own N picks of the pool (module docstring).
 
     queries (R, D); pool (M, D); picks (R, N) row numbers in [0, M); real (R,) bool, False for padded
-    positions (their logits are 0); targets (R,) each position's next item number, pool_ids (M,) the
-    pool rows' item numbers (a pick of the position's own target gets the dtype's lowest logit)."""
+    positions (their logits are 0). With targets (R,), each position's next item number, and
+    pool_ids (M,), the pool rows' item numbers (rows of one item must be equal, as a lookup returns
+    them): a pick of the position's own target gets the dtype's lowest logit, and rows of the same
+    item are scored as one (the kernels then read and write a table
+    of the batch's distinct items, small enough to stay in cache; each item's gradient goes to its
+    first row in the pool, so a per-item sum of the pool's gradient, which the PS takes, is unchanged).
+    """
     if picks.dim() != 2 or queries.dim() != 2 or pool.dim() != 2 or picks.shape[0] != queries.shape[0]:
         raise ValueError(
             f"queries (R, D), pool (M, D) and picks (R, N) expected, got {tuple(queries.shape)}, "
             f"{tuple(pool.shape)}, {tuple(picks.shape)}"
         )
+    if (targets is None) != (pool_ids is None):
+        raise ValueError("targets and pool_ids go together: both (the hit mask) or neither")
+    if targets is None or pool_ids is None:  # nothing to mask: no target equals an id
+        targets = torch.full((queries.shape[0],), -1, dtype=torch.int64, device=queries.device)
+        pool_ids = torch.full((pool.shape[0],), -2, dtype=torch.int64, device=queries.device)
+        distinct, rows_of = pool, torch.arange(pool.shape[0], device=pool.device)
+    else:
+        pool_ids, rows_of = torch.unique(pool_ids, return_inverse=True)
+        first = torch.full_like(pool_ids, pool.shape[0]).scatter_reduce(
+            0, rows_of, torch.arange(pool.shape[0], device=pool.device), "amin"
+        )
+        distinct = pool[first]  # (U, D); autograd sends each row's gradient to the item's first row
     if queries.device.type != "cpu":  # the kernel is CPU's; elsewhere gather and multiply
-        rows = pool[picks]  # (R, N, D)
-        logits = torch.einsum("rd,rnd->rn", queries, rows)
-        logits = logits.masked_fill(pool_ids[picks] == targets.unsqueeze(-1), torch.finfo(logits.dtype).min)
+        drawn = rows_of[picks]  # (R, N)
+        logits = torch.einsum("rd,rnd->rn", queries, distinct[drawn])
+        logits = logits.masked_fill(pool_ids[drawn] == targets.unsqueeze(-1), torch.finfo(logits.dtype).min)
         return logits * real.unsqueeze(-1).to(logits.dtype)
-    result: torch.Tensor = _PooledLogits.apply(queries, pool, picks, real, targets, pool_ids)
+    result: torch.Tensor = _PooledLogits.apply(queries, distinct, picks, rows_of, real, targets, pool_ids)
     return result

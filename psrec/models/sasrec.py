@@ -277,11 +277,7 @@ def negatives_logits(
     batch, length, dim = hidden.shape
     count = negatives.shape[1]
     picks = torch.randint(0, batch * count, (batch * length, count), device=hidden.device)
-    if ids is None:  # no item numbers: nothing is masked
-        targets = torch.full((batch * length,), -1, dtype=torch.int64, device=hidden.device)
-        pool_ids = torch.zeros(batch * count, dtype=torch.int64, device=hidden.device)
-    else:
-        targets, pool_ids = ids[0].reshape(-1), ids[1].reshape(-1)
+    targets, pool_ids = (None, None) if ids is None else (ids[0].reshape(-1), ids[1].reshape(-1))
     if real is None:
         real = torch.ones(batch, length, dtype=torch.bool, device=hidden.device)
     logits = pooled_negatives_logits(
