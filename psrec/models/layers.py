@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from psrec.models.onednn_linear import Linear
+
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU,
     "leaky_relu": nn.LeakyReLU,
@@ -61,8 +63,9 @@ class MLP(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         width = input_dim
+        fuse = activation == "relu" and not batch_norm  # the ReLU runs inside the Linear's oneDNN call
         for hidden in hidden_sizes:
-            layers.append(nn.Linear(width, hidden))
+            layers.append(Linear(width, hidden, relu=fuse))
             if batch_norm:
                 layers.append(nn.BatchNorm1d(hidden))
             layers.append(make_activation(activation))
@@ -70,13 +73,18 @@ class MLP(nn.Module):
                 layers.append(nn.Dropout(dropout))
             width = hidden
         if output_dim is not None:
-            layers.append(nn.Linear(width, output_dim))
+            layers.append(Linear(width, output_dim))
             width = output_dim
         self.layers = nn.Sequential(*layers)
         self.output_dim = width
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.layers(inputs)
+        x, fused = inputs, False
+        for layer in self.layers:
+            if not (fused and type(layer) is nn.ReLU):  # a fused Linear has applied it
+                x = layer(x)
+            fused = isinstance(layer, Linear) and layer.relu
+        return x
 
 
 class CrossNetwork(nn.Module):

@@ -5,12 +5,16 @@ import torch
 from torch import nn
 
 from psrec.models.layers import MLP, CrossNetwork, DotInteraction, FactorizationMachine, make_activation
+from psrec.models.onednn_linear import Linear
 
 
 def test_mlp_layer_order_and_output() -> None:
     mlp = MLP(6, [5, 4], output_dim=1, activation="relu", batch_norm=True, dropout=0.2)
     kinds = [type(layer) for layer in mlp.layers]
-    assert kinds == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Dropout] * 2 + [nn.Linear]
+    assert kinds == [Linear, nn.BatchNorm1d, nn.ReLU, nn.Dropout] * 2 + [Linear]
+    assert all(
+        isinstance(layer, nn.Linear) and not layer.relu for layer in mlp.layers if type(layer) is Linear
+    )
     assert mlp(torch.randn(3, 6)).shape == (3, 1)
     assert mlp.output_dim == 1
     assert MLP(6, [5]).output_dim == 5
