@@ -172,9 +172,9 @@ def pooled_negatives_logits(
     positions (their logits are 0). With targets (R,), each position's next item number, and
     pool_ids (M,), the pool rows' item numbers (rows of one item must be equal, as a lookup returns
     them): a pick of the position's own target gets the dtype's lowest logit, and rows of the same
-    item are scored as one (the kernels then read and write a table
-    of the batch's distinct items, small enough to stay in cache; each item's gradient goes to its
-    first row in the pool, so a per-item sum of the pool's gradient, which the PS takes, is unchanged).
+    item are scored as one. The kernels then read and write a table of the batch's distinct items,
+    small enough to stay in cache; each item's gradient goes to its first row in the pool, so the
+    per-item sum of the pool's gradient, which the PS takes, is unchanged.
     """
     if picks.dim() != 2 or queries.dim() != 2 or pool.dim() != 2 or picks.shape[0] != queries.shape[0]:
         raise ValueError(
