@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from psrec.models import dot_products
 from psrec.models.onednn_linear import Linear
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -162,6 +163,8 @@ class DotInteraction(nn.Module):
     def forward(self, bottom: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
         if (bottom is not None) != self.has_bottom:
             raise ValueError(f"DotInteraction built with has_bottom={self.has_bottom}, got bottom={bottom}")
+        if dot_products.uses_kernels(pooled, bottom):
+            return dot_products.interaction(bottom, pooled)
         vectors = pooled if bottom is None else torch.cat([bottom.unsqueeze(1), pooled], dim=1)  # (B, N, D)
         upper = UpperTriangleProducts.apply(vectors, self.upper_index)  # (B, N (N - 1) / 2)
         return upper if bottom is None else torch.cat([bottom, upper], dim=1)
