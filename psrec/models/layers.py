@@ -89,17 +89,18 @@ class MLP(nn.Module):
 
 
 class CrossNetwork(nn.Module):
-    """DCN-v2 cross layers: (B, input_dim) -> (B, input_dim); full-rank, or low-rank when `low_rank`."""
+    """DCN-v2 cross layers: (B, input_dim) -> (B, input_dim); full-rank, or low-rank when `low_rank`.
+    Their Linear layers are `onednn_linear.Linear`, as the MLPs' are."""
 
     def __init__(self, input_dim: int, num_layers: int, *, low_rank: int | None = None) -> None:
         super().__init__()
         self.low_rank = low_rank
         if low_rank is None:
-            self.weights = nn.ModuleList(nn.Linear(input_dim, input_dim) for _ in range(num_layers))
+            self.weights = nn.ModuleList(Linear(input_dim, input_dim) for _ in range(num_layers))
         else:
             # V^T x (no bias) then U (.) + b: the factorised W = U V^T with the layer's bias in U.
             self.weights = nn.ModuleList(
-                nn.Sequential(nn.Linear(input_dim, low_rank, bias=False), nn.Linear(low_rank, input_dim))
+                nn.Sequential(Linear(input_dim, low_rank, bias=False), Linear(low_rank, input_dim))
                 for _ in range(num_layers)
             )
         self.output_dim = input_dim
