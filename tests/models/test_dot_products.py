@@ -94,3 +94,15 @@ def test_result_does_not_depend_on_the_thread_count() -> None:
         numba.set_num_threads(threads)
     for out, grad in outputs[1:]:
         assert torch.equal(out, outputs[0][0]) and torch.equal(grad, outputs[0][1])
+
+
+def test_empty_batch_single_feature_and_strided_input() -> None:
+    empty = dot_products.interaction(torch.zeros(0, 4), torch.zeros(0, 3, 4, requires_grad=True))
+    assert empty.shape == (0, 4 + 6)
+    lone = dot_products.interaction(None, torch.ones(5, 1, 4))
+    assert lone.shape == (5, 0)
+    strided = torch.randn(6, 4, 3).transpose(1, 2).requires_grad_()  # (6, 3, 4), not contiguous
+    out = dot_products.interaction(None, strided)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(out.double(), reference(None, strided.detach().double()), rtol=0, atol=1e-5)
+    assert strided.grad is not None and strided.grad.shape == (6, 3, 4)
