@@ -15,10 +15,10 @@ counts in every thread that computes (`apply_thread_counts`, called by the threa
 puts them into the environment too, where a library that loads later and the processes this one
 starts read their defaults. `compute_settings` reports what the calling thread computes with.
 
-`PARALLEL_LAUNCH` serialises the launches of numba's parallel kernels (the bag pooling, the DLRM interaction, the
-embedding tables' batch kernels): numba's workqueue threading layer, the one it falls back to where
-neither OpenMP nor TBB loads, aborts the process when two Python threads launch parallel kernels at
-once. With OpenMP or TBB the lock costs an uncontended acquire.
+`PARALLEL_LAUNCH` serialises the launches of numba's parallel kernels (the bag pooling, the DLRM
+interaction, the embedding tables' batch kernels): numba's workqueue threading layer, the one it
+falls back to where neither OpenMP nor TBB loads, aborts the process when two Python threads launch
+parallel kernels at once. With OpenMP or TBB the lock costs an uncontended acquire.
 """
 
 from __future__ import annotations
