@@ -128,6 +128,9 @@ def _arrays(bottom: torch.Tensor | None, pooled: torch.Tensor) -> tuple[np.ndarr
 class _DotInteraction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, bottom: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
+        # contiguous once, here: the backward reads the saved copies as they are
+        pooled = pooled.detach().contiguous()
+        bottom = None if bottom is None else bottom.detach().contiguous()
         head, vectors = _arrays(bottom, pooled)
         batch, features, _ = vectors.shape
         count = features + (1 if bottom is not None else 0)
